@@ -1,0 +1,54 @@
+"""Softmax attention, pure PyTorch: the reference path and the CPU path (SPEC 1, 0.3).
+
+Global attention without sinks goes to PyTorch's fused SDPA. Everything else (windows, sinks,
+queries offset against a longer key range) runs query block by query block, each block against only
+the keys it can see, so a windowed layer costs O(T * (block + window)) memory, never T x S.
+"""
+import torch
+import torch.nn.functional as F
+
+BLOCK_Q = 128  # queries per block in the blocked path
+
+
+def attention_torch(q, k, v, *, window=None, sinks=None, scale=None):
+    B, T, Hq, Dk = q.shape
+    S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = Dk ** -0.5 if scale is None else scale
+    offset = S - T                       # query t sits at absolute position offset + t
+    if window is not None and window >= S:
+        window = None                    # every query already sees all its causal keys
+    if sinks is None and window is None and (offset == 0 or T == 1):
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=offset == 0 and T > 1, scale=scale, enable_gqa=Hq != Hkv)
+        return o.transpose(1, 2)
+    return _blocked(q, k, v, window, sinks, scale, offset)
+
+
+def _blocked(q, k, v, window, sinks, scale, offset):
+    B, T, Hq, Dk = q.shape
+    S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv                                                # query heads per kv head
+    qg = q.view(B, T, Hkv, G, Dk).permute(0, 2, 3, 1, 4)        # [B, Hkv, G, T, Dk]
+    kh = k.transpose(1, 2)                                       # [B, Hkv, S, Dk]
+    vh = v.transpose(1, 2)                                       # [B, Hkv, S, Dv]
+    outs = []
+    for t0 in range(0, T, BLOCK_Q):
+        t1 = min(T, t0 + BLOCK_Q)
+        hi = offset + t1                                         # keys after the last query are unseen
+        lo = 0 if window is None else max(0, offset + t0 - window + 1)
+        scores = torch.einsum("bhgtd,bhsd->bhgts", qg[:, :, :, t0:t1].float(), kh[:, :, lo:hi].float()) * scale
+        qpos = torch.arange(offset + t0, offset + t1, device=q.device)[:, None]
+        kpos = torch.arange(lo, hi, device=q.device)[None, :]
+        visible = kpos <= qpos
+        if window is not None:
+            visible = visible & (kpos > qpos - window)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is None:
+            p = scores.softmax(-1)
+        else:                                                    # the sink: one more column, no value
+            sink = sinks.float().view(1, Hkv, G, 1, 1).expand(B, Hkv, G, t1 - t0, 1)
+            p = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        outs.append(torch.einsum("bhgts,bhsd->bhgtd", p, vh[:, :, lo:hi].float()))
+    o = torch.cat(outs, dim=3)                                   # [B, Hkv, G, T, Dv]
+    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, Dv).to(q.dtype)
