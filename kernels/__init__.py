@@ -6,7 +6,8 @@
 
 Every op takes and returns [B, T, H, D] tensors (time before heads). See SPEC 0.3.
 """
-import torch
+# NB: the torch paths live in torch_*.py: a submodule named like an op (kernels/attention.py)
+# would shadow the op function of the same name once imported.
 
 BACKENDS = ("torch", "triton")
 
@@ -35,7 +36,7 @@ def attention(q, k, v, *, window=None, sinks=None, scale=None, backend=None):
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be >= 1 or None, got {window}")
     if _pick(backend, q) == "torch":
-        from .attention import attention_torch
+        from .torch_attention import attention_torch
         return attention_torch(q, k, v, window=window, sinks=sinks, scale=scale)
     from .triton_attention import attention_triton
     return attention_triton(q, k, v, window=window, sinks=sinks, scale=scale)
@@ -49,7 +50,7 @@ def delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final
     Returns (o [B,T,H,V], final_state or None).
     """
     if _pick(backend, q) == "torch":
-        from .delta_rule import delta_rule_torch
+        from .torch_delta_rule import delta_rule_torch
         return delta_rule_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state)
     from .triton_delta_rule import delta_rule_triton
@@ -64,7 +65,7 @@ def delta_rule_step(q, k, v, g, beta, state, *, scale=None, backend=None):
     Returns o [B,H,V].
     """
     if _pick(backend, q) == "torch":
-        from .delta_rule import delta_rule_step_torch
+        from .torch_delta_rule import delta_rule_step_torch
         return delta_rule_step_torch(q, k, v, g, beta, state, scale=scale)
     from .triton_delta_rule import delta_rule_step_triton
     return delta_rule_step_triton(q, k, v, g, beta, state, scale=scale)

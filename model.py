@@ -1,0 +1,425 @@
+"""hybrid: a language model whose layers mix different attention mechanisms.
+
+A config `pattern` names the mixer of every layer (cycled to n_layer); each mixer has a parallel
+path (training, `forward`) and a cached path (`step`: prefill and decode) that give the same logits.
+
+    GPT
+      wte                       token embedding, tied with the output head
+      blocks[i]: Block          x = x + mixer(norm(x));  x = x + mlp(norm(x))
+        mixer                   Attention (attn), ... one class per mixer kind
+        mlp                     SwiGLU
+      norm_f, lm_head
+
+The math lives in kernels/ (one function per op); this file is structure. See SPEC.md.
+"""
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Optional, Union, get_args, get_origin
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+
+# ----------------------------------------------------------------------------------------------
+# Config: dataclasses built from plain dicts (YAML), every bad key refused with one clear line.
+
+
+class ConfigError(ValueError):
+    """A bad config value. The message is one line: the dotted key and what is allowed."""
+
+
+def _coerce(value, typ, path):
+    """Check `value` against a dataclass field type (int, float, bool, str, list, dict, Optional)."""
+    if get_origin(typ) is Union:  # Optional[X]
+        if value is None:
+            return None
+        typ = next(t for t in get_args(typ) if t is not type(None))
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false (got {value!r})")
+    elif typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: must be an integer (got {value!r})")
+    elif typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: must be a number (got {value!r})")
+        value = float(value)
+    elif typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: must be a string (got {value!r})")
+    elif typ in (list, dict):
+        if not isinstance(value, typ):
+            raise ConfigError(f"{path}: must be a {'list' if typ is list else 'mapping'} (got {value!r})")
+    return value
+
+
+def build(cls, d, path):
+    """Make dataclass `cls` from dict `d`, refusing unknown keys, wrong types and missing keys."""
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: must be a mapping of keys to values (got {d!r})")
+    allowed = [f.name for f in fields(cls)]
+    for key in d:
+        if key not in allowed:
+            raise ConfigError(f"{path}.{key}: unknown key; allowed keys: {', '.join(allowed)}")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name in d:
+            kwargs[f.name] = _coerce(d[f.name], f.type, f"{path}.{f.name}")
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise ConfigError(f"{path}.{f.name}: required key is missing")
+    return cls(**kwargs)
+
+
+def require(ok, path, allowed, value):
+    """Refuse `value` at `path` unless `ok`; `allowed` says what would be accepted."""
+    if not ok:
+        raise ConfigError(f"{path}: must be {allowed} (got {value!r})")
+
+
+def positive(path, value):
+    require(value is not None and value >= 1, path, "an integer >= 1", value)
+
+
+def _one_of(path, value, choices):
+    require(value in choices, path, f"one of {', '.join(map(str, choices))}", value)
+
+
+@dataclass
+class AttnConfig:
+    """Softmax attention (SPEC 1): MHA / GQA / MQA, sliding window, learned sinks, RoPE or NoPE."""
+    kind: str = "attn"
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None    # None = n_heads (MHA); 1 = MQA
+    head_dim: Optional[int] = None      # None = d_model // n_heads
+    window: Optional[int] = None        # None = global; else each query sees `window` keys
+    sinks: bool = False                 # learned per-head sink logits (gpt-oss)
+    rope: bool = True                   # false = NoPE
+    rope_theta: float = 10000.0
+    qk_norm: bool = False               # RMSNorm on q and k per head
+
+    def check(self, path, model):
+        positive(f"{path}.n_heads", self.n_heads)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        positive(f"{path}.n_kv_heads", self.n_kv_heads)
+        require(self.n_heads % self.n_kv_heads == 0, f"{path}.n_kv_heads",
+                f"a divisor of n_heads={self.n_heads}", self.n_kv_heads)
+        if self.head_dim is None:
+            require(model.d_model % self.n_heads == 0, f"{path}.n_heads",
+                    f"a divisor of d_model={model.d_model} (or set head_dim)", self.n_heads)
+            self.head_dim = model.d_model // self.n_heads
+        positive(f"{path}.head_dim", self.head_dim)
+        if self.rope:
+            require(self.head_dim % 2 == 0, f"{path}.head_dim", "even when rope is true", self.head_dim)
+        require(self.window is None or self.window >= 1, f"{path}.window", "an integer >= 1 or null", self.window)
+        require(self.rope_theta > 0, f"{path}.rope_theta", "> 0", self.rope_theta)
+
+
+@dataclass
+class MLPConfig:
+    kind: str = "swiglu"
+    hidden: Optional[int] = None        # None = 8/3 d_model rounded up to a multiple of 64
+
+    def check(self, path, model):
+        _one_of(f"{path}.kind", self.kind, ["swiglu"])
+        if self.hidden is None:
+            self.hidden = 64 * math.ceil(8 * model.d_model / 3 / 64)
+        positive(f"{path}.hidden", self.hidden)
+
+
+# kind -> (config dataclass, mixer module); other mixers register themselves further down.
+MIXERS = {}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257
+    d_model: int = 256
+    n_layer: int = 6
+    pattern: list = field(default_factory=lambda: ["local"] * 5 + ["global"])
+    layers: dict = field(default_factory=lambda: {
+        "local": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "window": 64, "sinks": True},
+        "global": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2}})
+    mlp: dict = field(default_factory=dict)
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    backend: Optional[str] = None       # kernels backend: null (auto), torch, triton
+
+    @classmethod
+    def from_dict(cls, d, path="model"):
+        cfg = build(cls, d, path)
+        positive(f"{path}.vocab_size", cfg.vocab_size)
+        positive(f"{path}.d_model", cfg.d_model)
+        positive(f"{path}.n_layer", cfg.n_layer)
+        require(cfg.norm_eps > 0, f"{path}.norm_eps", "> 0", cfg.norm_eps)
+        require(cfg.init_std > 0, f"{path}.init_std", "> 0", cfg.init_std)
+        require(cfg.backend in (None, *kernels.BACKENDS), f"{path}.backend",
+                f"null or one of {', '.join(kernels.BACKENDS)}", cfg.backend)
+        require(len(cfg.layers) > 0, f"{path}.layers", "a non-empty mapping of layer names to mixers", cfg.layers)
+        layers = {}
+        for name, spec in cfg.layers.items():
+            lpath = f"{path}.layers.{name}"
+            require(isinstance(spec, dict), lpath, "a mapping with a `kind` key", spec)
+            _one_of(f"{lpath}.kind", spec.get("kind"), sorted(MIXERS))
+            layers[name] = build(MIXERS[spec["kind"]][0], spec, lpath)
+            layers[name].check(lpath, cfg)
+        cfg.layers = layers
+        require(len(cfg.pattern) > 0, f"{path}.pattern", "a non-empty list of names from layers", cfg.pattern)
+        for i, name in enumerate(cfg.pattern):
+            require(name in layers, f"{path}.pattern[{i}]", f"one of the names in layers ({', '.join(layers)})", name)
+        cfg.mlp = build(MLPConfig, cfg.mlp, f"{path}.mlp")
+        cfg.mlp.check(f"{path}.mlp", cfg)
+        return cfg
+
+    def layer_configs(self):
+        """The mixer config of every layer: the pattern cycled to n_layer."""
+        return [self.layers[self.pattern[i % len(self.pattern)]] for i in range(self.n_layer)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_angles(positions, dim, theta):
+    """cos, sin [T, dim/2] for absolute `positions` [T] (half-split RoPE)."""
+    inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x [B, T, H, D] by angles cos, sin [T, D/2]: pairs are (x[i], x[i + D/2])."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d].float(), x[..., d:].float()
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)   # gate
+        self.w3 = nn.Linear(d_model, hidden, bias=False)   # up
+        self.w2 = nn.Linear(hidden, d_model, bias=False)   # down
+        self.w2.residual_out = True
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LayerCache:
+    """The tensors one layer keeps between `step` calls."""
+
+    def __init__(self, **tensors):
+        self.__dict__.update(tensors)
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if torch.is_tensor(t))
+
+
+class Cache:
+    """Decode state of a whole model: one LayerCache per layer and the number of tokens seen."""
+
+    def __init__(self, layers, max_len):
+        self.layers, self.max_len, self.pos = layers, max_len, 0
+
+    def nbytes(self):
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+# ----------------------------------------------------------------------------------------------
+# Softmax attention (SPEC 1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: AttnConfig, model: ModelConfig):
+        super().__init__()
+        self.cfg, self.backend = cfg, model.backend
+        Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(model.d_model, Hq * D, bias=False)
+        self.wk = nn.Linear(model.d_model, Hkv * D, bias=False)
+        self.wv = nn.Linear(model.d_model, Hkv * D, bias=False)
+        self.wo = nn.Linear(Hq * D, model.d_model, bias=False)
+        self.wo.residual_out = True
+        self.q_norm = RMSNorm(D, model.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, model.norm_eps) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(Hq)) if cfg.sinks else None
+
+    def forward(self, x, cache=None, pos=0):
+        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path."""
+        B, T, _ = x.shape
+        c = self.cfg
+        q = self.wq(x).view(B, T, c.n_heads, c.head_dim)
+        k = self.wk(x).view(B, T, c.n_kv_heads, c.head_dim)
+        v = self.wv(x).view(B, T, c.n_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.rope:
+            cos, sin = rope_angles(torch.arange(pos, pos + T, device=x.device), c.head_dim, c.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = self.update_cache(cache, k, v, pos)
+        o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend)
+        return self.wo(o.reshape(B, T, -1))
+
+    def new_cache(self, batch_size, max_len, device, dtype):
+        """Global: K/V [B, Hkv, max_len, D]. Windowed: a ring buffer of `window` slots."""
+        slots = max_len if self.cfg.window is None else min(self.cfg.window, max_len)
+        shape = (batch_size, self.cfg.n_kv_heads, slots, self.cfg.head_dim)
+        return LayerCache(k=torch.zeros(shape, device=device, dtype=dtype),
+                          v=torch.zeros(shape, device=device, dtype=dtype))
+
+    def update_cache(self, cache, k, v, pos):
+        """Store the new k, v [B, T, Hkv, D]; return every key/value the new queries may see."""
+        T, slots = k.shape[1], cache.k.shape[2]
+        if self.cfg.window is None:
+            if pos + T > slots:
+                raise ValueError(f"context of {pos + T} tokens exceeds the cache of a global attention "
+                                 f"layer (max_len={slots}); make the cache larger")
+            cache.k[:, :, pos:pos + T] = k.transpose(1, 2)
+            cache.v[:, :, pos:pos + T] = v.transpose(1, 2)
+            return cache.k[:, :, :pos + T].transpose(1, 2), cache.v[:, :, :pos + T].transpose(1, 2)
+        # ring buffer: position p lives in slot p % slots; the first new query still sees the
+        # window-1 tokens before it, which are all still in the ring.
+        n_old = min(pos, self.cfg.window - 1, slots)
+        old = torch.arange(pos - n_old, pos, device=k.device) % slots
+        k_all = torch.cat([cache.k[:, :, old].transpose(1, 2), k], dim=1)
+        v_all = torch.cat([cache.v[:, :, old].transpose(1, 2), v], dim=1)
+        n_new = min(T, slots)
+        new = torch.arange(pos + T - n_new, pos + T, device=k.device) % slots
+        cache.k[:, :, new] = k[:, T - n_new:].transpose(1, 2)
+        cache.v[:, :, new] = v[:, T - n_new:].transpose(1, 2)
+        return k_all, v_all
+
+
+MIXERS["attn"] = (AttnConfig, Attention)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+class Block(nn.Module):
+    def __init__(self, mixer_cfg, model: ModelConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(model.d_model, model.norm_eps)
+        self.mixer = MIXERS[mixer_cfg.kind][1](mixer_cfg, model)
+        self.norm2 = RMSNorm(model.d_model, model.norm_eps)
+        self.mlp = SwiGLU(model.d_model, model.mlp.hidden)
+
+    def forward(self, x, cache=None, pos=0):
+        x = x + self.mixer(self.norm1(x), cache, pos)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(c, config) for c in config.layer_configs())
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.apply(self._init_weights)
+        for m in self.modules():  # mixers with parameters of their own init (gates, decays)
+            if m is not self and hasattr(m, "reset_special_parameters"):
+                m.reset_special_parameters()
+
+    def _init_weights(self, m):
+        std = self.config.init_std
+        if isinstance(m, nn.Linear):
+            if getattr(m, "residual_out", False):  # outputs that add into the residual stream
+                std = std / math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(m.weight, 0.0, std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, std)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx, targets=None):
+        """idx [B, T] -> logits [B, T, vocab]; loss (mean cross-entropy, targets -1 ignored) or None.
+
+        Mixers with auxiliary losses (the DSA indexer) leave them in `mixer.aux_loss`; they are added
+        to the loss and reported in `self.aux_losses` (name -> detached mean over layers).
+        """
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        self.aux_losses = {}
+        for block in self.blocks:
+            aux = getattr(block.mixer, "aux_loss", None)
+            if aux is not None:
+                name, value = aux
+                loss = loss + value
+                self.aux_losses.setdefault(name, []).append(value.detach())
+        self.aux_losses = {k: torch.stack(v).mean() for k, v in self.aux_losses.items()}
+        return logits, loss
+
+    def new_cache(self, batch_size, max_len):
+        p = self.wte.weight
+        return Cache([b.mixer.new_cache(batch_size, max_len, p.device, p.dtype) for b in self.blocks], max_len)
+
+    @torch.no_grad()
+    def step(self, idx, cache):
+        """Run chunk idx [B, t] after the cache's tokens; returns logits [B, t, vocab]."""
+        x = self.wte(idx)
+        for block, layer_cache in zip(self.blocks, cache.layers):
+            x = block(x, layer_cache, cache.pos)
+        cache.pos += idx.shape[1]
+        return self.lm_head(self.norm_f(x))
+
+    @torch.no_grad()
+    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):
+        """Yield new tokens [B] one at a time: one parallel `step` over the prompt, then decode."""
+        cache = self.new_cache(idx.shape[0], idx.shape[1] + max_new_tokens)
+        logits = self.step(idx, cache)[:, -1]
+        for i in range(max_new_tokens):
+            token = sample_token(logits, temperature, top_k, top_p, generator)
+            yield token
+            if i + 1 < max_new_tokens:
+                logits = self.step(token[:, None], cache)[:, -1]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):
+        """idx [B, T] -> [B, T + max_new_tokens]."""
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, generator))
+        return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
+
+
+def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """logits [B, vocab] -> token ids [B]. temperature 0 = greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set with mass >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
