@@ -43,6 +43,11 @@ def _coerce(value, typ, path):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: must be an integer (got {value!r})")
     elif typ is float:
+        if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: must be a number (got {value!r})")
         value = float(value)
@@ -392,9 +397,13 @@ class GPT(nn.Module):
         return self.lm_head(self.norm_f(x))
 
     @torch.no_grad()
-    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):
-        """Yield new tokens [B] one at a time: one parallel `step` over the prompt, then decode."""
-        cache = self.new_cache(idx.shape[0], idx.shape[1] + max_new_tokens)
+    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None,
+                        max_len=None):
+        """Yield new tokens [B] one at a time: one parallel `step` over the prompt, then decode.
+
+        max_len: cache length of global layers (default: prompt + max_new_tokens); a longer context
+        raises ValueError."""
+        cache = self.new_cache(idx.shape[0], max_len or idx.shape[1] + max_new_tokens)
         logits = self.step(idx, cache)[:, -1]
         for i in range(max_new_tokens):
             token = sample_token(logits, temperature, top_k, top_p, generator)

@@ -1,0 +1,142 @@
+"""Run configs: YAML files with `model`, `data` and `train` sections, plus dotted overrides.
+
+    cfg = load_config("configs/x.yaml", ["--train.max_steps=200", "--model.n_layer=4"])
+
+Without a path the overrides apply to the embedded default, configs/default.yaml. Every bad value is
+refused while loading with a ConfigError: one line naming the key and what is allowed.
+"""
+import copy
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import yaml
+
+from model import ConfigError, ModelConfig, build, positive, require
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "default.yaml")
+DATA_KINDS = ("stdlib", "bin", "mqar")
+
+
+@dataclass
+class DataConfig:
+    kind: str = "stdlib"                # stdlib (embedded corpus), bin (prepared shards), mqar
+    dir: Optional[str] = None           # bin: folder of train_*.bin / val_*.bin; stdlib: cache folder
+    n_pairs: int = 8                    # mqar: key-value pairs per sequence
+    mqar_vocab: Optional[int] = None    # mqar: tokens used (null = model.vocab_size)
+
+    def check(self, path, model):
+        require(self.kind in DATA_KINDS, f"{path}.kind", f"one of {', '.join(DATA_KINDS)}", self.kind)
+        require(self.kind != "bin" or self.dir, f"{path}.dir", "a folder of prepared shards when kind is bin", self.dir)
+        positive(f"{path}.n_pairs", self.n_pairs)
+        if self.mqar_vocab is not None:
+            require(4 <= self.mqar_vocab <= model.vocab_size, f"{path}.mqar_vocab",
+                    f"between 4 and model.vocab_size={model.vocab_size}", self.mqar_vocab)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    batch_size: int = 8                 # sequences per micro-batch
+    seq_len: int = 256
+    grad_accum: int = 1                 # micro-batches per optimizer step
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0              # 0 = off
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 10
+    ckpt_interval: int = 100
+    out_dir: str = "out"
+    seed: int = 1337
+    device: str = "auto"                # auto, cpu, cuda, cuda:N
+    sample_tokens: int = 200            # tokens sampled at the end of a text run (0 = none)
+
+    def check(self, path, model):
+        for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_interval",
+                    "eval_batches", "ckpt_interval"):
+            positive(f"{path}.{key}", getattr(self, key))
+        require(self.lr > 0, f"{path}.lr", "> 0", self.lr)
+        require(0 <= self.min_lr_ratio <= 1, f"{path}.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
+        require(self.warmup_steps >= 0, f"{path}.warmup_steps", "an integer >= 0", self.warmup_steps)
+        require(self.weight_decay >= 0, f"{path}.weight_decay", ">= 0", self.weight_decay)
+        for key in ("beta1", "beta2"):
+            require(0 <= getattr(self, key) < 1, f"{path}.{key}", "in [0, 1)", getattr(self, key))
+        require(self.grad_clip >= 0, f"{path}.grad_clip", ">= 0 (0 = off)", self.grad_clip)
+        require(self.sample_tokens >= 0, f"{path}.sample_tokens", "an integer >= 0", self.sample_tokens)
+        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+                f"{path}.device", "auto, cpu, cuda or cuda:N", self.device)
+
+
+@dataclass
+class Config:
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    raw: dict                           # the dict it was built from (what checkpoints store)
+
+
+def apply_override(raw, arg):
+    """Apply one `--a.b.c=value` (value parsed as YAML: 3, 1e-3, null, true, [a, b]) to dict `raw`."""
+    if not arg.startswith("--") or "=" not in arg:
+        raise ConfigError(f"{arg}: overrides look like --section.key=value (e.g. --train.max_steps=200)")
+    key, text = arg[2:].split("=", 1)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    node, parts = raw, key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(parts[:i + 1])}: is not a section, cannot set {key}")
+    node[parts[-1]] = value
+
+
+def read_yaml(path):
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    return raw if raw is not None else {}
+
+
+def from_raw(raw):
+    """Validate a config dict (model/data/train sections) into a Config."""
+    require(isinstance(raw, dict), "config", "a mapping with model, data and train sections", raw)
+    for section in raw:
+        require(section in ("model", "data", "train"), section, "a section: model, data or train", section)
+    model = ModelConfig.from_dict(raw.get("model") or {})
+    data = build(DataConfig, raw.get("data"), "data")
+    data.check("data", model)
+    train = build(TrainConfig, raw.get("train"), "train")
+    train.check("train", model)
+    return Config(model, data, train, copy.deepcopy(raw))
+
+
+def load_config(path=None, overrides=()):
+    raw = read_yaml(path or DEFAULT_CONFIG)
+    for arg in overrides:
+        apply_override(raw, arg)
+    return from_raw(raw)
+
+
+def split_args(argv):
+    """Split argv into (config path or None, dotted overrides, other args)."""
+    path, overrides, rest = None, [], []
+    for a in argv:
+        if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0]:
+            overrides.append(a)
+        elif not a.startswith("-") and a.endswith((".yaml", ".yml")) and path is None:
+            path = a
+        else:
+            rest.append(a)
+    return path, overrides, rest

@@ -1,0 +1,91 @@
+"""Training data: token files (tokens.py), the embedded standard-library corpus (stdlib.py),
+synthetic MQAR (mqar.py), real corpora through Hugging Face datasets + tiktoken (prepare.py).
+
+make_dataset(cfg) gives the object train.py uses: next_batch() -> (x, y), evaluate(model),
+state_dict() / load_state_dict() (the loader position, stored in checkpoints).
+"""
+import math
+
+import torch
+
+from data.mqar import mqar_accuracy, mqar_batch
+from data.tokens import DataError, TokenLoader, open_split
+
+
+class TextData:
+    """Next-token prediction on token shards; eval reports val loss and bits per byte."""
+
+    def __init__(self, folder, model_vocab, batch_size, seq_len, rank=0, world=1):
+        self.train = open_split(folder, "train")
+        self.val = open_split(folder, "val")
+        vocab = self.train[0].vocab_size
+        if vocab > model_vocab:
+            raise DataError(f"{folder}: the data has token ids up to {vocab - 1}, beyond model.vocab_size="
+                            f"{model_vocab}; set model.vocab_size >= {vocab}")
+        self.loader = TokenLoader(self.train, batch_size, seq_len, rank, world)
+        self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world
+        # bits per byte = nats/token / ln 2 * tokens/byte, from the val shards' headers
+        n_tok, n_bytes = sum(s.n_tokens for s in self.val), sum(s.n_text_bytes for s in self.val)
+        self.tokens_per_byte = n_tok / n_bytes if n_bytes else 1.0
+
+    def next_batch(self):
+        return self.loader.next_batch()
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
+
+    @torch.no_grad()
+    def evaluate(self, model, n_batches, device):
+        loader = TokenLoader(self.val, self.B, self.T, self.rank, self.world)  # always the same batches
+        losses = []
+        for _ in range(n_batches):
+            x, y = loader.next_batch()
+            losses.append(model(x.to(device), y.to(device))[1].item())
+        val_loss = sum(losses) / len(losses)
+        return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2) * self.tokens_per_byte}
+
+
+class MQARData:
+    """Synthetic associative recall; batch i is generated from seed (seed, i): resumable exactly."""
+
+    def __init__(self, n_pairs, vocab, batch_size, seq_len, seed, rank=0, world=1):
+        self.n_pairs, self.vocab, self.B, self.T, self.seed = n_pairs, vocab, batch_size, seq_len, seed
+        self.rank, self.world, self.index = rank, world, 0
+        mqar_batch(1, seq_len, n_pairs, vocab, 0)  # refuse impossible settings now
+
+    def next_batch(self):
+        x, y, _ = mqar_batch(self.world * self.B, self.T, self.n_pairs, self.vocab, [self.seed, self.index])
+        self.index += 1
+        rows = slice(self.rank * self.B, (self.rank + 1) * self.B)
+        return x[rows], y[rows]
+
+    def state_dict(self):
+        return {"index": self.index}
+
+    def load_state_dict(self, state):
+        self.index = int(state["index"])
+
+    @torch.no_grad()
+    def evaluate(self, model, n_batches, device):
+        losses, accs = [], []
+        for i in range(n_batches):  # a held-out seed stream
+            x, y, _ = mqar_batch(self.B, self.T, self.n_pairs, self.vocab, [self.seed, 10 ** 9 + i])
+            logits, loss = model(x.to(device), y.to(device))
+            losses.append(loss.item())
+            accs.append(mqar_accuracy(logits, y.to(device)))
+        return {"val_loss": sum(losses) / len(losses), "val_acc": sum(accs) / len(accs)}
+
+
+def make_dataset(cfg, rank=0, world=1):
+    d, t, m = cfg.data, cfg.train, cfg.model
+    if d.kind == "mqar":
+        return MQARData(d.n_pairs, d.mqar_vocab or m.vocab_size, t.batch_size, t.seq_len, t.seed, rank, world)
+    if d.kind == "stdlib":
+        from data.stdlib import prepare_stdlib
+        folder = prepare_stdlib(d.dir, quiet=rank != 0)
+    else:
+        folder = d.dir
+    return TextData(folder, m.vocab_size, t.batch_size, t.seq_len, rank, world)

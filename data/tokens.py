@@ -1,0 +1,104 @@
+"""Token files and the training loader.
+
+A token file is a 256-byte header of 32 little-endian int64 followed by the tokens:
+    header[0] MAGIC, [1] VERSION, [2] vocab size, [3] token count, [4] bytes per token (2 = uint16,
+    4 = uint32), [5] bytes of text the tokens encode (for bits per byte), [6] end-of-text id (-1 none).
+A corpus is a folder of `train_*.bin` and `val_*.bin` shards (a single shard is `train_000.bin`).
+"""
+import glob
+import os
+
+import numpy as np
+import torch
+
+MAGIC, VERSION, HEADER_INTS = 0x48594252, 1, 32
+HEADER_BYTES = HEADER_INTS * 8
+
+
+class DataError(ValueError):
+    """A missing, corrupt or incompatible data file. The message is one line."""
+
+
+def write_tokens(path, tokens, vocab_size, n_text_bytes, eot_id=-1):
+    """Write a token file atomically (temporary file, fsync, rename)."""
+    dtype = np.uint16 if vocab_size <= 2 ** 16 else np.uint32
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise DataError(f"{path}: token ids must lie in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+    header = np.zeros(HEADER_INTS, dtype="<i8")
+    header[:7] = [MAGIC, VERSION, vocab_size, tokens.size, np.dtype(dtype).itemsize, n_text_bytes, eot_id]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(dtype).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class TokenFile:
+    """A token file opened by memmap, its header checked against its size."""
+
+    def __init__(self, path):
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: token file not found")
+        size = os.path.getsize(path)
+        if size < HEADER_BYTES:
+            raise DataError(f"{path}: corrupt token file (only {size} bytes, shorter than its header)")
+        header = np.fromfile(path, dtype="<i8", count=HEADER_INTS)
+        if header[0] != MAGIC:
+            raise DataError(f"{path}: not a token file (bad magic number); prepare it with data/prepare.py")
+        if header[1] != VERSION:
+            raise DataError(f"{path}: token file version {header[1]}, this code reads version {VERSION}")
+        self.path, self.vocab_size, self.n_tokens = path, int(header[2]), int(header[3])
+        itemsize, self.n_text_bytes, self.eot_id = int(header[4]), int(header[5]), int(header[6])
+        if itemsize not in (2, 4) or size != HEADER_BYTES + self.n_tokens * itemsize:
+            raise DataError(f"{path}: corrupt token file (header says {self.n_tokens} tokens of {itemsize} "
+                            f"bytes, file holds {size - HEADER_BYTES} bytes); prepare it again")
+        self.tokens = np.memmap(path, dtype=np.uint16 if itemsize == 2 else np.uint32, mode="r",
+                                offset=HEADER_BYTES, shape=(self.n_tokens,))
+
+
+def open_split(folder, split):
+    """The shards of `split` ('train' or 'val') in `folder`, in name order."""
+    paths = sorted(glob.glob(os.path.join(folder, f"{split}_*.bin")))
+    if not paths:
+        raise DataError(f"{folder}: no {split}_*.bin shards found; prepare the corpus first (data/prepare.py)")
+    shards = [TokenFile(p) for p in paths]
+    vocab = {s.vocab_size for s in shards}
+    if len(vocab) > 1:
+        raise DataError(f"{folder}: {split} shards disagree on the vocabulary size ({sorted(vocab)})")
+    return shards
+
+
+class TokenLoader:
+    """Walks the shards in order, handing out [B, T] inputs and next-token targets.
+
+    Every global batch takes world * B * T (+1) consecutive tokens; rank r gets the r-th slice, so
+    the global batch is the same whatever the world size. `state_dict()` is the position
+    (shard, offset): a resumed run continues on exactly the next tokens.
+    """
+
+    def __init__(self, shards, batch_size, seq_len, rank=0, world=1):
+        self.shards, self.B, self.T, self.rank, self.world = shards, batch_size, seq_len, rank, world
+        need = world * batch_size * seq_len + 1
+        for s in shards:
+            if s.n_tokens < need:
+                raise DataError(f"{s.path}: {s.n_tokens} tokens, fewer than one global batch needs ({need}); "
+                                f"lower batch_size or seq_len")
+        self.shard, self.offset = 0, 0
+
+    def state_dict(self):
+        return {"shard": self.shard, "offset": self.offset}
+
+    def load_state_dict(self, state):
+        self.shard, self.offset = int(state["shard"]), int(state["offset"])
+
+    def next_batch(self):
+        n = self.world * self.B * self.T
+        if self.offset + n + 1 > self.shards[self.shard].n_tokens:
+            self.shard, self.offset = (self.shard + 1) % len(self.shards), 0
+        start = self.offset + self.rank * self.B * self.T
+        buf = torch.from_numpy(self.shards[self.shard].tokens[start:start + self.B * self.T + 1].astype(np.int64))
+        self.offset += n
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)

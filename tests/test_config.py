@@ -1,0 +1,109 @@
+"""Config loading: YAML + dotted overrides; every bad config refused with one line naming the key."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from config import ROOT, apply_override, from_raw, load_config
+from model import ConfigError
+
+GOOD_LAYER = {"kind": "attn", "n_heads": 4, "n_kv_heads": 2}
+
+
+def raw(model=None, data=None, train=None):
+    m = {"vocab_size": 64, "d_model": 32, "n_layer": 2, "pattern": ["a"], "layers": {"a": dict(GOOD_LAYER)}}
+    m.update(model or {})
+    return {"model": m, "data": data or {"kind": "mqar"}, "train": train or {}}
+
+
+def layer(**kw):
+    return {"layers": {"a": {**GOOD_LAYER, **kw}}}
+
+
+BAD = [  # (config dict, what the one-line error must name)
+    (raw(model={"d_modle": 32}), "model.d_modle: unknown key"),
+    (raw(model=layer(kind="mamba")), "model.layers.a.kind: must be one of"),
+    (raw(model={"pattern": ["a", "b"]}), "model.pattern[1]: must be one of the names in layers"),
+    (raw(model=layer(n_kv_heads=3)), "model.layers.a.n_kv_heads: must be a divisor of n_heads=4"),
+    (raw(model=layer(n_heads=5, n_kv_heads=1)), "model.layers.a.n_heads: must be a divisor of d_model=32"),
+    (raw(model=layer(window=0)), "model.layers.a.window: must be an integer >= 1 or null"),
+    (raw(model={"d_model": 0}), "model.d_model: must be an integer >= 1"),
+    (raw(model={"n_layer": -1}), "model.n_layer: must be an integer >= 1"),
+    (raw(model={"vocab_size": "big"}), "model.vocab_size: must be an integer"),
+    (raw(model=layer(sinks="yes")), "model.layers.a.sinks: must be true or false"),
+    (raw(model=layer(head_dim=7)), "model.layers.a.head_dim: must be even when rope is true"),
+    (raw(model=layer(wndow=4)), "model.layers.a.wndow: unknown key"),
+    (raw(model={"layers": {}}), "model.layers: must be a non-empty mapping"),
+    (raw(model={"pattern": []}), "model.pattern: must be a non-empty list"),
+    (raw(model={"mlp": {"kind": "gelu"}}), "model.mlp.kind: must be one of swiglu"),
+    (raw(model={"backend": "cuda"}), "model.backend: must be null or one of torch, triton"),
+    (raw(train={"max_steps": 0}), "train.max_steps: must be an integer >= 1"),
+    (raw(train={"lr": -1}), "train.lr: must be > 0"),
+    (raw(train={"batchsize": 4}), "train.batchsize: unknown key"),
+    (raw(train={"device": "tpu"}), "train.device: must be auto, cpu, cuda or cuda:N"),
+    (raw(data={"kind": "imagenet"}), "data.kind: must be one of stdlib, bin, mqar"),
+    (raw(data={"kind": "bin"}), "data.dir: must be a folder of prepared shards"),
+    ({**raw(), "optim": {}}, "optim: must be a section"),
+]
+
+
+@pytest.mark.parametrize("cfg,message", BAD, ids=[m.split(":")[0] for _, m in BAD])
+def test_bad_config_is_refused_with_one_line(cfg, message):
+    with pytest.raises(ConfigError) as e:
+        from_raw(cfg)
+    text = str(e.value)
+    assert message in text, text
+    assert "\n" not in text
+
+
+def test_good_config_and_defaults():
+    cfg = from_raw(raw())
+    attn = cfg.model.layers["a"]
+    assert (attn.n_heads, attn.n_kv_heads, attn.head_dim) == (4, 2, 8)
+    assert cfg.model.mlp.hidden % 64 == 0 and cfg.train.max_steps > 0
+
+
+def test_pattern_is_cycled_to_n_layer():
+    cfg = from_raw(raw(model={"n_layer": 5, "pattern": ["a", "a", "b"],
+                              "layers": {"a": dict(GOOD_LAYER), "b": {**GOOD_LAYER, "window": 8}}}))
+    assert [c.window for c in cfg.model.layer_configs()] == [None, None, 8, None, None]
+
+
+def test_dotted_overrides():
+    cfg = load_config(None, ["--train.max_steps=7", "--model.n_layer=4", "--model.layers.local.window=null",
+                             "--train.lr=1e-3", "--model.pattern=[global]"])
+    assert cfg.train.max_steps == 7 and cfg.model.n_layer == 4 and cfg.train.lr == 1e-3
+    assert cfg.model.pattern == ["global"] and cfg.model.layers["local"].window is None
+    with pytest.raises(ConfigError, match="is not a section"):
+        apply_override({"train": {"lr": 1}}, "--train.lr.x=3")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(None, ["--train.max_stepz=3"])
+
+
+def test_every_shipped_config_loads():
+    paths = glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
+    assert paths
+    for path in paths:
+        load_config(path)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model.n_layer=0"], "model.n_layer: must be an integer >= 1"),
+    (["missing.yaml"], "missing.yaml: config file not found"),
+    (["--model.layers.local.kind=rnn"], "model.layers.local.kind: must be one of"),
+])
+def test_entry_point_exits_2_with_one_line(args, message, tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_yaml_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))

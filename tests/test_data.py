@@ -1,0 +1,118 @@
+"""Token files, the stdlib corpus, MQAR, and clear errors for bad data."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from config import from_raw
+from data import TextData, make_dataset
+from data.mqar import mqar_accuracy, mqar_batch
+from data.stdlib import EOT, decode, encode, prepare_stdlib
+from data.tokens import HEADER_BYTES, DataError, TokenFile, TokenLoader, open_split, write_tokens
+
+
+def write_corpus(folder, n=5000, vocab=100):
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    write_tokens(os.path.join(folder, "train_000.bin"), rng.integers(0, vocab, n), vocab, n)
+    write_tokens(os.path.join(folder, "val_000.bin"), rng.integers(0, vocab, n // 2), vocab, n)
+
+
+def test_token_file_roundtrip_and_loader_position(tmp_path):
+    tokens = np.arange(1000) % 300
+    write_tokens(tmp_path / "train_000.bin", tokens, 300, 1000)
+    f = TokenFile(str(tmp_path / "train_000.bin"))
+    assert f.vocab_size == 300 and f.n_tokens == 1000 and np.array_equal(f.tokens, tokens)
+    loader = TokenLoader([f], batch_size=2, seq_len=8)
+    x, y = loader.next_batch()
+    assert torch.equal(x.flatten(), torch.arange(16)) and torch.equal(y.flatten(), torch.arange(1, 17))
+    state = loader.state_dict()
+    x2, _ = loader.next_batch()
+    loader.load_state_dict(state)
+    assert torch.equal(loader.next_batch()[0], x2)
+
+
+def test_loader_ranks_split_the_global_batch(tmp_path):
+    write_tokens(tmp_path / "train_000.bin", np.arange(5000) % 200, 200, 5000)
+    shards = open_split(str(tmp_path), "train")
+    whole = TokenLoader(shards, 4, 8).next_batch()[0]
+    halves = [TokenLoader(shards, 2, 8, rank=r, world=2).next_batch()[0] for r in range(2)]
+    assert torch.equal(torch.cat(halves), whole)
+
+
+def test_uint32_for_large_vocab(tmp_path):
+    write_tokens(tmp_path / "t.bin", [0, 70000, 5], 100_000, 3)
+    assert TokenFile(str(tmp_path / "t.bin")).tokens.dtype == np.uint32
+
+
+def test_missing_corrupt_and_truncated_files(tmp_path):
+    with pytest.raises(DataError, match="token file not found"):
+        TokenFile(str(tmp_path / "nope.bin"))
+    (tmp_path / "junk.bin").write_bytes(b"x" * 10)
+    with pytest.raises(DataError, match="shorter than its header"):
+        TokenFile(str(tmp_path / "junk.bin"))
+    (tmp_path / "junk2.bin").write_bytes(b"x" * (HEADER_BYTES + 10))
+    with pytest.raises(DataError, match="bad magic"):
+        TokenFile(str(tmp_path / "junk2.bin"))
+    write_tokens(tmp_path / "cut.bin", np.arange(100), 128, 100)
+    data = (tmp_path / "cut.bin").read_bytes()
+    (tmp_path / "cut.bin").write_bytes(data[:-7])
+    with pytest.raises(DataError, match="corrupt token file"):
+        TokenFile(str(tmp_path / "cut.bin"))
+    with pytest.raises(DataError, match="no train_"):
+        open_split(str(tmp_path / "empty"), "train")
+
+
+def test_token_ids_outside_the_vocabulary(tmp_path):
+    with pytest.raises(DataError, match=r"token ids must lie in \[0, 10\)"):
+        write_tokens(tmp_path / "bad.bin", [1, 2, 10], 10, 3)
+    write_corpus(str(tmp_path / "c"), vocab=100)
+    with pytest.raises(DataError, match="beyond model.vocab_size=64"):
+        TextData(str(tmp_path / "c"), 64, 2, 16)
+
+
+def test_too_little_data_for_a_batch(tmp_path):
+    write_corpus(str(tmp_path / "c"), n=100)
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        TextData(str(tmp_path / "c"), 100, 8, 64)
+
+
+def test_bin_dataset_from_config(tmp_path):
+    write_corpus(str(tmp_path / "c"))
+    cfg = from_raw({"model": {"vocab_size": 100, "d_model": 16, "n_layer": 1, "pattern": ["a"],
+                              "layers": {"a": {"kind": "attn", "n_heads": 2}}},
+                    "data": {"kind": "bin", "dir": str(tmp_path / "c")}, "train": {"batch_size": 2, "seq_len": 16}})
+    x, y = make_dataset(cfg).next_batch()
+    assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_stdlib_corpus_is_prepared_once_and_byte_level(tmp_path):
+    folder = prepare_stdlib(str(tmp_path / "stdlib"), quiet=True)
+    train, val = open_split(folder, "train")[0], open_split(folder, "val")[0]
+    assert train.vocab_size == 257 and train.eot_id == EOT
+    assert train.n_tokens > 1_000_000 and 0 < val.n_tokens < train.n_tokens / 5
+    mtime = os.path.getmtime(os.path.join(folder, "train_000.bin"))
+    prepare_stdlib(folder, quiet=True)  # reused, not rewritten
+    assert os.path.getmtime(os.path.join(folder, "train_000.bin")) == mtime
+    text = decode(train.tokens[:2000].tolist())
+    assert len(text) > 100
+    assert decode(encode("def f(x):\n")) == "def f(x):\n"
+
+
+def test_mqar_structure():
+    x, y, dist = mqar_batch(4, 64, 8, 64, seed=3)
+    for b in range(4):
+        keys, values = x[b, 0:16:2], x[b, 1:16:2]
+        assert (keys < 32).all() and (keys >= 1).all() and (values >= 32).all()
+        labelled = (y[b] >= 0).nonzero().flatten()
+        assert len(labelled) == 8 and (labelled >= 16).all()
+        for t in labelled:  # the query is a key; its label is that key's value
+            i = (keys == x[b, t]).nonzero().item()
+            assert y[b, t] == values[i] and dist[b, t] == t - 2 * i
+    x2, _, _ = mqar_batch(4, 64, 8, 64, seed=3)
+    assert torch.equal(x, x2)
+    logits = torch.nn.functional.one_hot(y.clamp(min=0), 64).float()
+    assert mqar_accuracy(logits, y) == 1.0
+    with pytest.raises(ValueError, match="too short"):
+        mqar_batch(1, 20, 8, 64, 0)

@@ -1,0 +1,82 @@
+"""Training: the loss falls, checkpoints resume the step count and the optimizer state."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from config import ROOT, from_raw
+from train import latest_checkpoint, load_checkpoint, lr_at, train
+
+
+def mqar_config(out_dir, **train_kw):
+    return from_raw({
+        "model": {"vocab_size": 32, "d_model": 64, "n_layer": 2, "pattern": ["g"],
+                  "layers": {"g": {"kind": "attn", "n_heads": 4}}, "mlp": {"hidden": 128}},
+        "data": {"kind": "mqar", "n_pairs": 4},
+        "train": {"max_steps": 60, "batch_size": 16, "seq_len": 32, "lr": 3e-3, "warmup_steps": 5,
+                  "log_interval": 10, "eval_interval": 30, "eval_batches": 2, "ckpt_interval": 30,
+                  "out_dir": str(out_dir), **train_kw}})
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_loss_falls_on_mqar(tmp_path):
+    train(mqar_config(tmp_path), quiet=True)
+    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, rows
+    assert all(k in rows[0] for k in ("step", "loss", "lr", "tokens_per_s"))
+    assert any("val_loss" in r and "val_acc" in r for r in read_metrics(tmp_path))
+
+
+def test_resume_continues_step_count_and_optimizer(tmp_path):
+    full = tmp_path / "full"
+    train(mqar_config(full, max_steps=60), quiet=True)
+    part = tmp_path / "part"
+    train(mqar_config(part, max_steps=60), quiet=True, stop_at=30)
+    ckpt = load_checkpoint(latest_checkpoint(str(part)))
+    assert ckpt["step"] == 30 and ckpt["optimizer"]["state"]
+    train(mqar_config(part, max_steps=60), resume=True, quiet=True)
+    assert latest_checkpoint(str(part)).endswith("ckpt_60.pt")
+    a = [r["loss"] for r in read_metrics(full) if "loss" in r]
+    b = [r["loss"] for r in read_metrics(part) if "loss" in r]
+    assert len(a) == len(b) == 6
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)  # the same run, interrupted or not
+    wa = load_checkpoint(os.path.join(full, "ckpt_60.pt"))["model"]
+    wb = load_checkpoint(os.path.join(part, "ckpt_60.pt"))["model"]
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_lr_schedule():
+    tc = mqar_config("x", max_steps=100, warmup_steps=10, min_lr_ratio=0.1).train
+    assert abs(lr_at(0, tc) - 3e-4) < 1e-12 and abs(lr_at(9, tc) - 3e-3) < 1e-12
+    assert abs(lr_at(100, tc) - 3e-4) < 1e-9 and lr_at(50, tc) < lr_at(20, tc)
+
+
+def test_bad_resume_is_a_clear_error(tmp_path):
+    (tmp_path / "ckpt_5.pt").write_bytes(b"not a checkpoint")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"--train.out_dir={tmp_path}",
+                        "--resume"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not a readable checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_default_run_and_sample_end_to_end(tmp_path):
+    """`python train.py` on the embedded corpus (shortened), then sample.py from its checkpoint."""
+    env = {**os.environ, "HYBRID_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--train.max_steps=3",
+                        "--train.eval_batches=1", "--train.sample_tokens=20", f"--train.out_dir={tmp_path / 'o'}"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "parameters" in r.stdout and "sample:" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "--ckpt", str(tmp_path / "o"),
+                        "--prompt", "import ", "--max_new_tokens", "10", "--num_samples", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("import ") == 2
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "--ckpt", str(tmp_path / "o"),
+                        "--prompt", "import os", "--cache_len", "4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "exceeds the cache" in r.stderr
