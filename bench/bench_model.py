@@ -1,15 +1,18 @@
 """Benchmarks that print figures (not tests).
 
-    python bench.py train  [--config CFG] [overrides]  training tokens/s (forward + backward + AdamW)
-    python bench.py decode [--config CFG] [overrides]  decode ms/token and cache bytes at several contexts
+    python bench/bench_model.py train  [--config CFG] [overrides]  training tokens/s (fwd + bwd + AdamW)
+    python bench/bench_model.py decode [--config CFG] [overrides]  decode ms/token and cache bytes by context
 
 Models are randomly initialised; only speed and memory are measured.
 """
 import argparse
+import os
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import load_config
 from model import GPT, ConfigError
