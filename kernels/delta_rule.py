@@ -18,17 +18,21 @@ is what step j actually writes. Substituting S'_t into u_t gives a unit lower-tr
     O      = (q * exp(G)) S0 + P U_all,   P[i,j] = (q_i * exp(G_i - G_j)) . k_j   j <= i
     S_next = Diag(exp(G_last)) S0 + (k * exp(G_last - G))^T U_all
 
-Everything except the last three lines is computed for all chunks at once; the loop over chunks
+Everything except the last two lines is computed for all chunks at once; the loop over chunks
 carries only S (three small matmuls per chunk).
 
 The per-channel pairwise decay exp(G_i - G_j) is never materialised as a [C, C, K] tensor, and no
 positive number is ever exponentiated (per-step log decays of -20 reach G = -1280 inside a chunk, so
-exp(-G_j) alone would overflow). A and P are built by recursive halving: for a block of positions
-split into a low half and a high half, every pair (i in high, j in low) factors through the last
-position r of the low half,  exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), with both exponents
-<= 0; so the lower-left quarter is one matmul (q_i or k_i scaled by exp(G_i - G_r)) @ (k_j scaled by
-exp(G_r - G_j))^T. Recursing into both halves down to single positions covers every pair j < i;
-the diagonal of P is q_i . k_i. Memory is O(T * K * log C), linear in T.
+exp(-G_j) alone would overflow). P, A and (I + A)^-1 are built together by recursive halving. For a
+block of positions split into a low half and a high half, every pair (i in high, j in low) factors
+through the last position r of the low half,  exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), with
+both exponents <= 0; so the lower-left quarter of P (or A) is one matmul:
+(q_i or k_i scaled by exp(G_i - G_r)) @ (k_j scaled by exp(G_r - G_j))^T. The inverse of a unit
+lower-triangular block follows from its halves' inverses:
+    [[T11, 0], [A21, T22]]^-1 = [[T11^-1, 0], [-T22^-1 A21 T11^-1, T22^-1]]
+Starting from single positions (P = q_i . k_i, T^-1 = 1) and doubling six times gives the 64 x 64
+matrices, all with batched matmuls. Memory is O(T * (K + C) * log C), linear in T. A per-head gate
+(GDN) is the same with G of shape [..., C, 1] broadcast over K.
 
 Plain linear attention (`kind: linear`): S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale * q_t). It is
 not a special case of the delta rule (which writes a correction, not k v^T), so it has its own small
@@ -67,43 +71,32 @@ def _join_blocks(diag_blocks, lower_left):
     return torch.cat([top, bottom], dim=-2)                       # [..., n, 2h, 2h]
 
 
-def _intra_chunk_per_channel(q, k, G):
-    """Per-channel decayed scores inside each chunk, without a [C, C, K] tensor.
+def _chunk_matrices(q, k, G, beta):
+    """The state-independent matrices of each chunk, without a [C, C, K] tensor.
 
-    q, k, G [..., C, K] (G cumulative log decay from the chunk start). Returns
-    A_kk [..., C, C]: (k_i * exp(G_i - G_j)) . k_j for j < i, else 0;
-    A_qk [..., C, C]: (q_i * exp(G_i - G_j)) . k_j for j <= i, else 0.
+    q, k [..., C, K]  G [..., C, K] or [..., C, 1] (cumulative log decay from the chunk start)
+    beta [..., C, 1]. Returns
+      P     [..., C, C]: (q_i * exp(G_i - G_j)) . k_j for j <= i, else 0
+      T_inv [..., C, C]: (I + A)^-1 with A[i,j] = beta_i (k_i * exp(G_i - G_j)) . k_j for j < i
     """
     *lead, C, K = k.shape
-    A_qk = (q * k).sum(-1)[..., None, None]                       # [..., C, 1, 1]: blocks of one position
-    A_kk = torch.zeros_like(A_qk)
+    P = (q * k).sum(-1)[..., None, None]                          # [..., C, 1, 1]: blocks of one position
+    T_inv = torch.ones_like(P)
     L = 2                                                         # block size at this level
     while L <= C:
         h = L // 2
-        Gb = G.reshape(*lead, C // L, 2, h, K)                    # [..., C/L, low|high, h, K]
-        kb = k.reshape(*lead, C // L, 2, h, K)
-        qb = q.reshape(*lead, C // L, 2, h, K)
-        G_ref = Gb[..., 0, h - 1:, :]                             # [..., C/L, 1, K]: last of the low half
-        k_low = kb[..., 0, :, :] * torch.exp(G_ref - Gb[..., 0, :, :])   # exponent <= 0
-        from_ref = torch.exp(Gb[..., 1, :, :] - G_ref)                   # exponent <= 0
-        k_high, q_high = kb[..., 1, :, :] * from_ref, qb[..., 1, :, :] * from_ref
-        k_low_t = k_low.transpose(-1, -2)                         # [..., C/L, K, h]
-        A_kk = _join_blocks(A_kk, k_high @ k_low_t)               # [..., C/L, L, L]
-        A_qk = _join_blocks(A_qk, q_high @ k_low_t)
+        halves = lambda x: x.reshape(*lead, C // L, 2, h, x.shape[-1]).unbind(-3)  # low, high: [..., C/L, h, D]
+        (G_low, G_high), (k_low, k_high), q_high = halves(G), halves(k), halves(q)[1]
+        beta_high = halves(beta)[1]                               # [..., C/L, h, 1]
+        G_ref = G_low[..., h - 1:, :]                             # [..., C/L, 1, K]: last of the low half
+        k_low_t = (k_low * torch.exp(G_ref - G_low)).transpose(-1, -2)   # [..., C/L, K, h], exponent <= 0
+        from_ref = torch.exp(G_high - G_ref)                             # exponent <= 0
+        P = _join_blocks(P, (q_high * from_ref) @ k_low_t)        # [..., C/L, L, L]
+        A21 = beta_high * ((k_high * from_ref) @ k_low_t)         # [..., C/L, h, h]
+        T11_inv, T22_inv = T_inv.unflatten(-3, (-1, 2)).unbind(-3)
+        T_inv = _join_blocks(T_inv, -(T22_inv @ A21) @ T11_inv)
         L *= 2
-    return A_kk.squeeze(-3), A_qk.squeeze(-3)
-
-
-def _intra_chunk_per_head(q, k, G):
-    """Same as _intra_chunk_per_channel for a scalar gate per head: G [..., C]. The [C, C] decay
-    matrix is cheap here; the upper triangle is masked to -inf before exp."""
-    C = k.shape[-2]
-    i = torch.arange(C, device=k.device)
-    causal = i[:, None] >= i[None, :]                              # [C, C], j <= i
-    decay = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")))
-    A_qk = (q @ k.transpose(-1, -2)) * decay
-    A_kk = ((k @ k.transpose(-1, -2)) * decay).tril(-1)
-    return A_kk, A_qk
+    return P.squeeze(-3), T_inv.squeeze(-3)
 
 
 def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
@@ -132,19 +125,15 @@ def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output
     v = _to_chunks(v, T_pad, C)                                   # [B,H,N,C,V]
     beta = _to_chunks(beta, T_pad, C)[..., None]                  # [B,H,N,C,1]
     G = _to_chunks(g, T_pad, C).cumsum(3)                         # [B,H,N,C,K] or [B,H,N,C]
+    if not per_channel:
+        G = G[..., None]                                          # [B,H,N,C,1], broadcasts over K
 
     # state-independent, all chunks at once
-    if per_channel:
-        A_kk, A_qk = _intra_chunk_per_channel(q, k, G)            # [B,H,N,C,C] each
-    else:
-        A_kk, A_qk = _intra_chunk_per_head(q, k, G)
-        G = G[..., None]                                          # [B,H,N,C,1], broadcasts over K
-    A_kk = A_kk * beta                                            # row i scaled by beta_i
-    rhs = torch.cat([beta * k * torch.exp(G), beta * v], dim=-1)  # [B,H,N,C,K+V]
-    # (I + A_kk)^-1 rhs: unitriangular=True reads only the strictly lower part and assumes ones on the diagonal
-    WU = torch.linalg.solve_triangular(A_kk, rhs, upper=False, unitriangular=True)
+    P, T_inv = _chunk_matrices(q, k, G, beta)                     # [B,H,N,C,C] each
+    decay_from_start = torch.exp(G)                               # [B,H,N,C,K or 1]
+    WU = T_inv @ torch.cat([beta * k * decay_from_start, beta * v], dim=-1)   # [B,H,N,C,K+V]
     W, U = WU[..., :K], WU[..., K:]                               # [B,H,N,C,K], [B,H,N,C,V]
-    q_decayed = q * torch.exp(G)                                  # [B,H,N,C,K]: q_i decayed from the chunk start
+    q_decayed = q * decay_from_start                              # [B,H,N,C,K]: q_i decayed from the chunk start
     G_last = G[..., C - 1:, :]                                    # [B,H,N,1,K or 1]
     k_to_end_t = (k * torch.exp(G_last - G)).transpose(-1, -2)    # [B,H,N,K,C]: k_j decayed to the chunk end
     state_decay = torch.exp(G_last).transpose(-1, -2)             # [B,H,N,K or 1,1]
@@ -152,10 +141,12 @@ def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output
     # the recurrence over chunks: only S is carried
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
     outs = []
-    for n in range(N):
-        u = U[:, :, n] - W[:, :, n] @ S                           # [B,H,C,V]: what each step writes
-        outs.append(q_decayed[:, :, n] @ S + A_qk[:, :, n] @ u)   # [B,H,C,V]
-        S = S * state_decay[:, :, n] + k_to_end_t[:, :, n] @ u    # [B,H,K,V]
+    # unbind, not U[:, :, n]: the backward of each index op would zero-fill a full-size gradient
+    per_chunk = zip(*(x.unbind(2) for x in (U, W, q_decayed, P, state_decay, k_to_end_t)))
+    for U_n, W_n, q_n, P_n, decay_n, k_to_end_n in per_chunk:
+        u = U_n - W_n @ S                                         # [B,H,C,V]: what each step writes
+        outs.append(q_n @ S + P_n @ u)                            # [B,H,C,V]
+        S = S * decay_n + k_to_end_n @ u                          # [B,H,K,V]
     o = _from_chunks(torch.stack(outs, dim=2), T)                 # [B,T,H,V]
     return o.to(in_dtype), (S if output_final_state else None)
 
