@@ -53,7 +53,7 @@ def _to_chunks(x, T_pad, C):
     x = x.float()
     if T_pad > T:
         x = F.pad(x, (0, 0) * len(rest) + (0, 0, 0, T_pad - T))
-    return x.view(B, T_pad // C, C, H, *rest).movedim(3, 1)
+    return x.reshape(B, T_pad // C, C, H, *rest).movedim(3, 1)
 
 
 def _from_chunks(x, T):

@@ -228,3 +228,13 @@ def test_memory_linear_in_T():
     # far from a pairwise [T, C, C, K] decay tensor: all that is saved is less than one [T, C, K] tensor
     # (C = 64), about 40 copies of a [T, H, K] input
     assert small < 1024 * 64 * 2 * 32 * 4, small
+
+
+def test_non_contiguous_inputs():
+    """The layer may hand over [B,T,H,D] views of [B,H,T,D] tensors."""
+    q, k, v, g, beta, S0 = make_inputs(70, True, True)
+    views = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, g, beta)]
+    assert not views[0].is_contiguous()
+    o1, S1 = delta_rule_torch(*views, initial_state=S0, output_final_state=True)
+    o2, S2 = delta_rule_torch(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    assert torch.equal(o1, o2) and torch.equal(S1, S2)
