@@ -139,7 +139,7 @@ def _chunk_cumsum_kernel(g_ptr, G_ptr, T, H: tl.constexpr, K: tl.constexpr, BK: 
 
     Padded rows (t >= T) hold the chunk's last valid G, so G of row 63 is always G_L.
     """
-    chunk, bh = tl.program_id(0), tl.program_id(1)
+    chunk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     b, h = bh // H, bh % H
     T_pad = tl.cdiv(T, 64) * 64
     rows = chunk * 64 + tl.arange(0, 64)
@@ -156,7 +156,7 @@ def _chunk_intra_kernel(q_ptr, k_ptr, G_ptr, Ak_ptr, M_ptr, scale, T,
 
     Ak, M [B,T_pad,H,64] must be zero-initialised (blocks above the diagonal are not written).
     """
-    pid, bh = tl.program_id(0), tl.program_id(1)
+    pid, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     chunk, s = pid // 4, pid % 4
     b, h = bh // H, bh % H
     T_pad = tl.cdiv(T, 64) * 64
@@ -224,7 +224,7 @@ def _chunk_solve_kernel(Ak_ptr, beta_ptr, Ti_ptr, T, H: tl.constexpr, DOT_PREC: 
     Diagonal blocks by forward substitution; below them T_IJ = -T_II sum_{J<=M<I} A_IM T_MJ.
     Ti [B,T_pad,H,64] must be zero-initialised (the upper blocks are not written).
     """
-    chunk, bh = tl.program_id(0), tl.program_id(1)
+    chunk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     b, h = bh // H, bh % H
     T_pad = tl.cdiv(T, 64) * 64
     Ak_ptr += (b * T_pad * H + h) * 64
@@ -268,7 +268,7 @@ def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, W_ptr, U_ptr, T,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
     """F3: W = T (beta k exp(G)) [64, K] and U = T (beta v) [64, V] per chunk."""
-    chunk, bh = tl.program_id(0), tl.program_id(1)
+    chunk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     b, h = bh // H, bh % H
     T_pad = tl.cdiv(T, 64) * 64
     rows = chunk * 64 + tl.arange(0, 64)
@@ -296,7 +296,7 @@ def _chunk_state_fwd_kernel(k_ptr, G_ptr, W_ptr, U_ptr, Vn_ptr, h_ptr, h0_ptr, h
 
     h [B,H,NT,K,V] receives the state at each chunk's start; Vn = U - W S [B,T_pad,H,V].
     """
-    pid_v, bh = tl.program_id(0), tl.program_id(1)
+    pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     b, h = bh // H, bh % H
     NT = tl.cdiv(T, 64)
     T_pad = NT * 64
@@ -330,7 +330,7 @@ def _chunk_output_kernel(q_ptr, G_ptr, M_ptr, Vn_ptr, h_ptr, o_ptr, scale, T,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
     """F5: O = scale (q exp(G)) S_chunk + M Vn, for one chunk and value tile."""
-    chunk, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     b, h = bh // H, bh % H
     NT = tl.cdiv(T, 64)
     T_pad = NT * 64
@@ -360,7 +360,7 @@ def _chunk_state_bwd_kernel(q_ptr, k_ptr, G_ptr, W_ptr, M_ptr, do_ptr, dh_ptr, d
         dh[c] = dS;  dVn = M^T dO + (k exp(G_L - G)) dS
         dS   <- Diag(exp(G_L)) dS + scale (q exp(G))^T dO - W^T dVn      (ends as d initial_state)
     """
-    pid_v, bh = tl.program_id(0), tl.program_id(1)
+    pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     b, h = bh // H, bh % H
     NT = tl.cdiv(T, 64)
     T_pad = NT * 64
@@ -408,7 +408,7 @@ def _chunk_bwd_main_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, Ak_ptr,
         d(beta v) = T^T dVn             d(beta k e^G) = T^T dW           dA = -T^T dT T^T (strictly lower)
     Writes dv, dbeta (final), scale*dM and beta*dA for B3, and partial dq, dk, dG (fp32).
     """
-    chunk, bh = tl.program_id(0), tl.program_id(1)
+    chunk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     b, h = bh // H, bh % H
     NT = tl.cdiv(T, 64)
     T_pad = NT * 64
@@ -484,8 +484,8 @@ def _chunk_bwd_main_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, Ak_ptr,
 
 @_autotune(_warps_configs(), key=["K"], interpret_meta={})
 @triton.jit
-def _chunk_bwd_intra_kernel(q_ptr, k_ptr, G_ptr, dAk_ptr, dMs_ptr, dq_part_ptr, dk_part_ptr, dG_ptr,
-                            dq_ptr, dk_ptr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+def _chunk_bwd_intra_kernel(q_ptr, k_ptr, G_ptr, dAk_ptr, dMs_ptr, dq_part_ptr, dk_part_ptr, dG_part_ptr,
+                            dq_ptr, dk_ptr, dG_ptr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                             DOT_PREC: tl.constexpr):
     """B3: gradients through the gated products, for the 16 rows of sub-chunk s.
 
@@ -493,9 +493,10 @@ def _chunk_bwd_intra_kernel(q_ptr, k_ptr, G_ptr, dAk_ptr, dMs_ptr, dq_part_ptr, 
         da_i = sum_j dX_ij b_j Gamma_ij    db_j = sum_i dX_ij a_i Gamma_ij
         dG_i += a_i * da_i                 dG_j -= b_j * db_j
     Rows of s take the a-side (blocks J <= s), columns of s the b-side (blocks I >= s), so no atomics.
-    Adds the partials of B2 and writes dq, dk (input dtype) and dG (fp32, in place).
+    Adds the partials of B2 and writes dq, dk (input dtype) and dG (fp32). Nothing is updated in place,
+    so the autotuner may rerun it.
     """
-    pid, bh = tl.program_id(0), tl.program_id(1)
+    pid, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     chunk, s = pid // 4, pid % 4
     b, h = bh // H, bh % H
     NT = tl.cdiv(T, 64)
@@ -564,7 +565,7 @@ def _chunk_bwd_intra_kernel(q_ptr, k_ptr, G_ptr, dAk_ptr, dMs_ptr, dq_part_ptr, 
 
     dq = _load_tile(dq_part_ptr + pad_k, rows, cols, H * K, T_pad, K) + dq_m
     dk = _load_tile(dk_part_ptr + pad_k, rows, cols, H * K, T_pad, K) + dk_a + dk_b
-    dG = _load_tile(dG_ptr + pad_k, rows, cols, H * K, T_pad, K) + q_s * dq_m + k_s * (dk_a - dk_b)
+    dG = _load_tile(dG_part_ptr + pad_k, rows, cols, H * K, T_pad, K) + q_s * dq_m + k_s * (dk_a - dk_b)
     _store_tile(dq_ptr + in_k, rows, cols, H * K, T, K, dq)
     _store_tile(dk_ptr + in_k, rows, cols, H * K, T, K, dk)
     _store_tile(dG_ptr + pad_k, rows, cols, H * K, T_pad, K, dG)
@@ -574,7 +575,7 @@ def _chunk_bwd_intra_kernel(q_ptr, k_ptr, G_ptr, dAk_ptr, dMs_ptr, dq_part_ptr, 
 @triton.jit
 def _chunk_reverse_cumsum_kernel(dG_ptr, dg_ptr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """B4: dg_t = sum_{s >= t in the chunk} dG_s  (G = in-chunk cumsum of g)."""
-    chunk, bh = tl.program_id(0), tl.program_id(1)
+    chunk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     b, h = bh // H, bh % H
     T_pad = tl.cdiv(T, 64) * 64
     rows = chunk * 64 + tl.arange(0, 64)
@@ -595,7 +596,7 @@ def _fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_p
 
     q,k [B,T,H,K]  v,o [B,T,H,V]  g [B,T,H,K] or [B,T,H]  beta [B,T,H]  state [B,H,K,V] fp32 (in place).
     """
-    pid_v, bh = tl.program_id(0), tl.program_id(1)
+    pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     b, h = bh // H, bh % H
     cols_k = tl.arange(0, BK)
     cols_v = pid_v * BV + tl.arange(0, BV)
@@ -665,7 +666,7 @@ def _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
     return o, final_state, saved
 
 
-def _chunk_backward(q, k, v, beta, scale, saved, do, d_final_state):
+def _chunk_backward(q, k, v, beta, g_dtype, scale, saved, do, d_final_state):
     """Runs B1..B4; returns dq, dk, dv, dg (per channel), dbeta, d_initial_state."""
     G, Ak, M, T_inv, W, V_new, h = saved
     B, T, H, K = q.shape
@@ -682,8 +683,10 @@ def _chunk_backward(q, k, v, beta, scale, saved, do, d_final_state):
     dMs = torch.empty(B, T_pad, H, CHUNK, **f32)
     dq_part = torch.empty(B, T_pad, H, K, **f32)
     dk_part = torch.empty(B, T_pad, H, K, **f32)
+    dG_part = torch.empty(B, T_pad, H, K, **f32)
     dG = torch.empty(B, T_pad, H, K, **f32)
-    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty(B, T, H, K, device=q.device, dtype=q.dtype)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty(B, T, H, K, device=q.device, dtype=g_dtype)
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
 
     _chunk_state_bwd_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * H)](
@@ -691,9 +694,9 @@ def _chunk_backward(q, k, v, beta, scale, saved, do, d_final_state):
         HAS_DHT=d_final_state is not None, DOT_PREC=prec)
     _chunk_bwd_main_kernel[(NT, B * H)](
         q, k, v, beta, G, T_inv, Ak, h, dh, do, V_new, dV_new,
-        dv, dbeta, dAk, dMs, dq_part, dk_part, dG, scale, T, H=H, K=K, V=V, BK=BK, DOT_PREC=prec)
+        dv, dbeta, dAk, dMs, dq_part, dk_part, dG_part, scale, T, H=H, K=K, V=V, BK=BK, DOT_PREC=prec)
     _chunk_bwd_intra_kernel[(NT * 4, B * H)](
-        q, k, G, dAk, dMs, dq_part, dk_part, dG, dq, dk, T, H=H, K=K, BK=BK, DOT_PREC=prec)
+        q, k, G, dAk, dMs, dq_part, dk_part, dG_part, dq, dk, dG, T, H=H, K=K, BK=BK, DOT_PREC=prec)
     _chunk_reverse_cumsum_kernel[(NT, B * H)](dG, dg, T, H=H, K=K, BK=BK)
     return dq, dk, dv, dg, dbeta, dh0
 
@@ -704,6 +707,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
         o, final_state, saved = _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state)
         ctx.save_for_backward(q, k, v, beta, *saved)
         ctx.scale = scale
+        ctx.g_dtype = g.dtype
         ctx.has_initial_state = initial_state is not None
         ctx.initial_state_dtype = None if initial_state is None else initial_state.dtype
         if final_state is not None:
@@ -716,7 +720,8 @@ class _ChunkDeltaRule(torch.autograd.Function):
         do = do.contiguous()
         if d_final_state is not None:
             d_final_state = d_final_state.contiguous().float()
-        dq, dk, dv, dg, dbeta, dh0 = _chunk_backward(q, k, v, beta, ctx.scale, saved, do, d_final_state)
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_backward(q, k, v, beta, ctx.g_dtype, ctx.scale, saved, do,
+                                                     d_final_state)
         dh0 = dh0.to(ctx.initial_state_dtype) if ctx.has_initial_state else None
         return dq, dk, dv, dg, dbeta, None, dh0, None
 

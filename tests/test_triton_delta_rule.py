@@ -142,3 +142,24 @@ def test_fused_recurrent_few_tokens_matches_chunked():
     o_chunk, s_chunk = delta_rule_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert_close(o_rec, o_chunk, "o")
     assert_close(state, s_chunk, "state")
+
+
+def test_dispatch_through_kernels_package():
+    import kernels
+    q, k, v, g, beta, h0 = make_inputs(1, 3, 1, 16, 16, per_channel=False)
+    o, s = kernels.delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="triton")
+    o_ref, s_ref = loop_reference(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                  initial_state=h0.double())
+    assert_close(o, o_ref, "o")
+    assert_close(s, s_ref, "final_state")
+    state = h0.clone()
+    o0 = kernels.delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, backend="triton")
+    assert_close(o0, o_ref[:, 0], "step o")
+
+
+def test_bad_shapes_are_refused():
+    q, k, v, g, beta, _ = make_inputs(1, 4, 1, 16, 16, per_channel=True)
+    with pytest.raises(ValueError, match="g must be"):
+        delta_rule_triton(q, k, v, g[..., :8], beta)
+    with pytest.raises(ValueError, match="state must be"):
+        delta_rule_step_triton(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], torch.zeros(1, 1, 16, 16).double())
