@@ -110,7 +110,7 @@ def main():
             methods[name] = {"triton": lambda: delta_rule_fn("triton"), "torch": lambda: delta_rule_fn("torch"),
                              "fla": lambda: fla_fn(args.gate), "sdpa": sdpa_fn}[name]()
             if name == "torch":
-                import kernels.delta_rule  # noqa: F401  (fail here, not inside the timing loop)
+                import kernels.torch_delta_rule  # noqa: F401  (fail here, not inside the timing loop)
         except ImportError as e:
             print(f"skipping {name}: {e}")
             methods.pop(name, None)

@@ -1,17 +1,15 @@
-"""The chunked delta rule (kernels/delta_rule.py) against a token-by-token loop of the recurrence.
+"""The chunked delta rule (kernels/torch_delta_rule.py) against a token-by-token loop of the recurrence.
 
 Oracle (SPEC 4), per head:  S' = Diag(exp(g_t)) S;  S = S' + beta_t k_t (v_t - S'^T k_t)^T;  o_t = S^T (scale q_t).
 The op runs in float32; the loop runs in float64 on the same values.
 """
-import importlib
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.delta_rule import (delta_rule_step_torch, delta_rule_torch, linear_attention_step_torch,
+from kernels.torch_delta_rule import (delta_rule_step_torch, delta_rule_torch, linear_attention_step_torch,
                                 linear_attention_torch)
 
 B, H, K, V = 2, 2, 32, 48
@@ -181,12 +179,7 @@ def test_strong_decay_finite(per_channel):
 
 
 def dispatcher(name):
-    """kernels.<name>, the dispatch function. Importing the submodule kernels/delta_rule.py binds the
-    attribute kernels.delta_rule to that module, shadowing the function of the same name (a known
-    wart of kernels/__init__.py, same for kernels.attention). Re-running __init__ once the submodules
-    are loaded restores the functions: an already-loaded submodule is not re-bound."""
-    if isinstance(getattr(kernels, name), types.ModuleType):
-        importlib.reload(kernels)
+    """kernels.<name>, the dispatch function."""
     return getattr(kernels, name)
 
 
