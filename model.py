@@ -316,6 +316,142 @@ MIXERS["attn"] = (AttnConfig, Attention)
 
 
 # ----------------------------------------------------------------------------------------------
+# Delta-rule family (SPEC 4): Kimi Delta Attention, Gated DeltaNet, plain linear attention
+
+
+DELTA_KINDS = ("kda", "gdn", "linear")
+
+
+@dataclass
+class DeltaConfig:
+    """kda: per-channel gate (Kimi Linear); gdn: per-head gate (Gated DeltaNet); linear: no gate,
+    no delta rule (S_t = S_{t-1} + k_t v_t^T)."""
+    kind: str = "kda"
+    n_heads: int = 4
+    head_dim: Optional[int] = None      # K; None = d_model // n_heads
+    v_head_dim: Optional[int] = None    # V; None = K
+    conv_size: int = 4                  # causal depthwise short convolution width; 0 = none
+    qk_norm: bool = True                # L2-normalise q and k per head
+    output_gate: bool = True            # RMSNorm(o) * gate (sigmoid low-rank for kda, SiLU otherwise)
+
+    def check(self, path, model):
+        _one_of(f"{path}.kind", self.kind, DELTA_KINDS)
+        positive(f"{path}.n_heads", self.n_heads)
+        if self.head_dim is None:
+            require(model.d_model % self.n_heads == 0, f"{path}.n_heads",
+                    f"a divisor of d_model={model.d_model} (or set head_dim)", self.n_heads)
+            self.head_dim = model.d_model // self.n_heads
+        positive(f"{path}.head_dim", self.head_dim)
+        if self.v_head_dim is None:
+            self.v_head_dim = self.head_dim
+        positive(f"{path}.v_head_dim", self.v_head_dim)
+        require(self.conv_size >= 0, f"{path}.conv_size", "an integer >= 0 (0 = no conv)", self.conv_size)
+
+
+def inverse_softplus(y):
+    return y + torch.log(-torch.expm1(-y))
+
+
+class DeltaNet(nn.Module):
+    """q, k, v = SiLU(ShortConv(x W)); q, k L2-normalised; beta = sigmoid(x W_b);
+    log decay g = -exp(A_log) * softplus(gate(x) + dt_bias); o = delta_rule(q, k, v, g, beta);
+    out = W_o (RMSNorm(o) * output gate). The decode cache is the fp32 state [B, H, K, V] plus the
+    last conv_size - 1 projected inputs: its size does not depend on the context length."""
+
+    def __init__(self, cfg: DeltaConfig, model: ModelConfig):
+        super().__init__()
+        self.cfg, self.backend = cfg, model.backend
+        d, H, K, V = model.d_model, cfg.n_heads, cfg.head_dim, cfg.v_head_dim
+        self.qkv_dims = (H * K, H * K, H * V)
+        self.w_qkv = nn.Linear(d, sum(self.qkv_dims), bias=False)
+        if cfg.conv_size:  # depthwise: one causal filter per channel of q, k and v
+            self.conv = nn.Parameter(torch.empty(sum(self.qkv_dims), cfg.conv_size))
+        if cfg.kind != "linear":
+            self.w_beta = nn.Linear(d, H, bias=False)
+            gate_out = H * K if cfg.kind == "kda" else H
+            if cfg.kind == "kda":  # low-rank per-channel gate d -> K -> H*K
+                self.w_f = nn.Sequential(nn.Linear(d, K, bias=False), nn.Linear(K, gate_out, bias=False))
+            else:
+                self.w_f = nn.Linear(d, gate_out, bias=False)
+            self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+            self.dt_bias = nn.Parameter(torch.empty(gate_out, dtype=torch.float32))
+            self.A_log.no_weight_decay = self.dt_bias.no_weight_decay = True
+        if cfg.output_gate:
+            self.o_norm = RMSNorm(V, model.norm_eps)
+            if cfg.kind == "kda":  # low-rank sigmoid gate d -> V -> H*V
+                self.w_g = nn.Sequential(nn.Linear(d, V, bias=False), nn.Linear(V, H * V, bias=False))
+            else:
+                self.w_g = nn.Linear(d, H * V, bias=False)
+        self.wo = nn.Linear(H * V, d, bias=False)
+        self.wo.residual_out = True
+
+    def reset_special_parameters(self):
+        if self.cfg.conv_size:
+            nn.init.uniform_(self.conv, -self.cfg.conv_size ** -0.5, self.cfg.conv_size ** -0.5)
+        if self.cfg.kind != "linear":
+            with torch.no_grad():
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+                dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+                self.dt_bias.copy_(inverse_softplus(dt))
+
+    def short_conv(self, u, cache):
+        """Causal depthwise conv + SiLU over u [B, T, C]; the cache keeps the last conv_size-1 inputs."""
+        if not self.cfg.conv_size:
+            return F.silu(u)
+        width = self.cfg.conv_size
+        past = u.new_zeros(u.shape[0], width - 1, u.shape[2]) if cache is None else cache.conv.to(u.dtype)
+        full = torch.cat([past, u], dim=1)                                  # [B, width-1+T, C]
+        if cache is not None:
+            cache.conv.copy_(full[:, full.shape[1] - (width - 1):])
+        out = F.conv1d(full.transpose(1, 2), self.conv.to(u.dtype)[:, None, :], groups=u.shape[2])
+        return F.silu(out.transpose(1, 2))                                  # [B, T, C]
+
+    def forward(self, x, cache=None, pos=0):
+        B, T, _ = x.shape
+        c = self.cfg
+        H, K, V = c.n_heads, c.head_dim, c.v_head_dim
+        q, k, v = self.short_conv(self.w_qkv(x), cache).split(self.qkv_dims, dim=-1)
+        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
+        if c.qk_norm:
+            q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+        state = None if cache is None else cache.state
+        if c.kind == "linear":
+            if state is not None and T == 1:
+                o = kernels.linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, scale=1.0)[:, None]
+            else:
+                o, final = kernels.linear_attention(q, k, v, scale=1.0, initial_state=state,
+                                                    output_final_state=state is not None)
+        else:
+            beta = torch.sigmoid(self.w_beta(x).float())                    # [B, T, H]
+            g = F.softplus(self.w_f(x).float() + self.dt_bias)              # [B, T, H*K] or [B, T, H]
+            g = -self.A_log.exp().repeat_interleave(g.shape[-1] // H) * g   # log decay <= 0
+            g = g.view(B, T, H, K) if c.kind == "kda" else g
+            if state is not None and T == 1:
+                o = kernels.delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
+                                            backend=self.backend)[:, None]
+            else:
+                o, final = kernels.delta_rule(q, k, v, g, beta, initial_state=state,
+                                              output_final_state=state is not None, backend=self.backend)
+        if state is not None and T > 1:
+            state.copy_(final)
+        if c.output_gate:
+            gate = self.w_g(x).view(B, T, H, V)
+            gate = torch.sigmoid(gate) if c.kind == "kda" else F.silu(gate)
+            o = self.o_norm(o) * gate
+        return self.wo(o.reshape(B, T, H * V))
+
+    def new_cache(self, batch_size, max_len, device, dtype):
+        c = self.cfg
+        conv_width = max(c.conv_size - 1, 0)
+        return LayerCache(state=torch.zeros(batch_size, c.n_heads, c.head_dim, c.v_head_dim, device=device),
+                          conv=torch.zeros(batch_size, conv_width, sum(self.qkv_dims), device=device, dtype=dtype))
+
+
+for _kind in DELTA_KINDS:
+    MIXERS[_kind] = (DeltaConfig, DeltaNet)
+
+
+# ----------------------------------------------------------------------------------------------
 # The model
 
 

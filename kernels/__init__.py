@@ -69,3 +69,18 @@ def delta_rule_step(q, k, v, g, beta, state, *, scale=None, backend=None):
         return delta_rule_step_torch(q, k, v, g, beta, state, scale=scale)
     from .triton_delta_rule import delta_rule_step_triton
     return delta_rule_step_triton(q, k, v, g, beta, state, scale=scale)
+
+
+def linear_attention(q, k, v, *, scale=None, initial_state=None, output_final_state=False):
+    """Plain linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t) (identity feature map,
+    no normaliser). q,k [B,T,H,K]  v [B,T,H,V]. Returns (o, final_state or None). Torch path only: it is
+    a few batched matmuls per chunk, which PyTorch already runs well on a GPU."""
+    from .torch_delta_rule import linear_attention_torch
+    return linear_attention_torch(q, k, v, scale=scale, initial_state=initial_state,
+                                  output_final_state=output_final_state)
+
+
+def linear_attention_step(q, k, v, state, *, scale=None):
+    """One token of linear attention; state [B,H,K,V] float32 updated in place. Returns o [B,H,V]."""
+    from .torch_delta_rule import linear_attention_step_torch
+    return linear_attention_step_torch(q, k, v, state, scale=scale)
