@@ -15,7 +15,8 @@ output acc (online softmax):
     o     = acc / l,   lse = m + log(l)            (lse is saved, fp32, for the backward)
 
 A learned sink s_h is one more softmax column with no value: it just starts the row at m = s_h,
-l = 1. Exponentials are exp2 on log2-scaled logits (scale * log2(e) folded into one multiply).
+l = 1. Exponentials are exp2 on log2-scaled logits (scale * log2(e) folded into one multiply);
+the saved lse stays in log2 units (lse2 = lse * log2(e)) so the backward never converts it back.
 
 Block skipping: a query block only visits key blocks that intersect its causal window, so a
 windowed layer costs O(T * W), not O(T * S). Those key blocks are split into ones every query of
@@ -142,7 +143,7 @@ def _fwd_inner(acc, m_i, l_i, q, q_pos, K_head, V_head, stride_ks, stride_kd, st
 
 @_autotune(_FWD_CONFIGS, prune=_prune_for_short_queries)
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, SINKS, O, LSE,
+def _attn_fwd_kernel(Q, K, V, SINKS, O, LSE2,
                      stride_qb, stride_qt, stride_qh, stride_qd,
                      stride_kb, stride_ks, stride_kh, stride_kd,
                      stride_vb, stride_vs, stride_vh, stride_vd,
@@ -197,11 +198,11 @@ def _attn_fwd_kernel(Q, K, V, SINKS, O, LSE,
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)                    # only padding rows (t >= T) can have l == 0
     o = acc / l_safe[:, None]
-    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453       # natural-log log-sum-exp, sink included
+    lse2 = m_i + tl.log2(l_safe)                              # log2-sum-exp2 of the row, sink included
     O_head = O + b.to(tl.int64) * stride_ob + h * stride_oh
     tl.store(O_head + t[:, None] * stride_ot + offs_dv[None, :] * stride_od, o.to(O.dtype.element_ty),
              mask=(t[:, None] < T) & (offs_dv[None, :] < Dv))
-    tl.store(LSE + pid_bh.to(tl.int64) * T + t, lse, mask=t < T)
+    tl.store(LSE2 + pid_bh.to(tl.int64) * T + t, lse2, mask=t < T)
 
 
 # --------------------------------------------------------------------------- backward
@@ -241,10 +242,10 @@ def _dq_inner(dq, q, do, lse2, delta, q_pos, K_head, V_head, stride_ks, stride_k
         vT = tl.load(V_head + k_pos[None, :] * stride_vs + offs_dv[:, None] * stride_vd,
                      mask=k_in[None, :] & (offs_dv[:, None] < Dv), other=0.0)            # [BLOCK_DV, BLOCK_N]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                  # [BLOCK_M, BLOCK_N]
-        p = tl.exp2(s - lse2[:, None])
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & k_in[None, :]
-            p = tl.where(visible, p, 0.0)
+            s = tl.where(visible, s, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])                                                    # softmax, recomputed
         dp = tl.dot(do, vT, input_precision=PRECISION)                                    # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)                        # [BLOCK_M, BLOCK_DK]
@@ -253,7 +254,7 @@ def _dq_inner(dq, q, do, lse2, delta, q_pos, K_head, V_head, stride_ks, stride_k
 
 @_autotune(_BWD_CONFIGS, prune=_prune_for_short_queries)
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ,
                         stride_qb, stride_qt, stride_qh, stride_qd,
                         stride_kb, stride_ks, stride_kh, stride_kd,
                         stride_vb, stride_vs, stride_vh, stride_vd,
@@ -281,7 +282,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                 mask=t_in[:, None] & (offs_dk[None, :] < Dk), other=0.0)                 # [BLOCK_M, BLOCK_DK]
     do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + t[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
                  mask=t_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)                # [BLOCK_M, BLOCK_DV]
-    lse2 = tl.load(LSE + pid_bh.to(tl.int64) * T + t, mask=t_in, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE2 + pid_bh.to(tl.int64) * T + t, mask=t_in, other=0.0)
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * T + t, mask=t_in, other=0.0)
     qk_scale = sm_scale * 1.4426950408889634
 
@@ -300,7 +301,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE_head, DELTA_head,
+def _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE2_head, DELTA_head,
                 stride_qt, stride_qd, stride_dot, stride_dod,
                 block_lo, block_hi, T, offset, Dk, Dv, window, qk_scale,
                 MASKED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -314,14 +315,14 @@ def _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE_head, DELTA_head,
                     mask=t_in[:, None] & (offs_dk[None, :] < Dk), other=0.0)             # [BLOCK_M, BLOCK_DK]
         do = tl.load(DO_head + t[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
                      mask=t_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)            # [BLOCK_M, BLOCK_DV]
-        lse2 = tl.load(LSE_head + t, mask=t_in, other=0.0) * 1.4426950408889634
+        lse2 = tl.load(LSE2_head + t, mask=t_in, other=0.0)
         delta = tl.load(DELTA_head + t, mask=t_in, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale                 # [BLOCK_N, BLOCK_M]
-        pT = tl.exp2(sT - lse2[None, :])
         if MASKED:
             q_pos = offset + t
             visible = (k_pos[:, None] <= q_pos[None, :]) & (k_pos[:, None] > q_pos[None, :] - window) & t_in[None, :]
-            pT = tl.where(visible, pT, 0.0)
+            sT = tl.where(visible, sT, float("-inf"))
+        pT = tl.exp2(sT - lse2[None, :])                                                  # P^T, recomputed
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)                      # [BLOCK_N, BLOCK_DV]
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)                          # [BLOCK_N, BLOCK_M]
         dsT = pT * (dpT - delta[None, :])
@@ -331,7 +332,7 @@ def _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE_head, DELTA_head,
 
 @_autotune(_BWD_CONFIGS)
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV,
                           stride_qb, stride_qt, stride_qh, stride_qd,
                           stride_kb, stride_ks, stride_kh, stride_kd,
                           stride_vb, stride_vs, stride_vh, stride_vd,
@@ -366,15 +367,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         h = h_kv * group + g
         Q_head = Q + b.to(tl.int64) * stride_qb + h * stride_qh
         DO_head = DO + b.to(tl.int64) * stride_dob + h * stride_doh
-        LSE_head = LSE + (b * Hq + h).to(tl.int64) * T
+        LSE2_head = LSE2 + (b * Hq + h).to(tl.int64) * T
         DELTA_head = DELTA + (b * Hq + h).to(tl.int64) * T
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE_head, DELTA_head,
+        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE2_head, DELTA_head,
                              stride_qt, stride_qd, stride_dot, stride_dod, lo, full_lo, T, offset, Dk, Dv,
                              window, qk_scale, True, PRECISION, BLOCK_M, BLOCK_DK, BLOCK_DV)
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE_head, DELTA_head,
+        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE2_head, DELTA_head,
                              stride_qt, stride_qd, stride_dot, stride_dod, full_lo, full_hi, T, offset, Dk, Dv,
                              window, qk_scale, False, PRECISION, BLOCK_M, BLOCK_DK, BLOCK_DV)
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE_head, DELTA_head,
+        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE2_head, DELTA_head,
                              stride_qt, stride_qd, stride_dot, stride_dod, full_hi, hi, T, offset, Dk, Dv,
                              window, qk_scale, True, PRECISION, BLOCK_M, BLOCK_DK, BLOCK_DV)
 
@@ -406,21 +407,21 @@ def _common(q, k, v, window, scale):
     return B, T, S, Hq, Hkv, Dk, Dv, window, scale, shape_args
 
 
-def attention_triton_fwd(q, k, v, *, window=None, sinks=None, scale=None):
-    """Forward only. Returns (o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32, natural log, sink included)."""
+def _forward(q, k, v, window, sinks, scale):
+    """Returns (o [B,T,Hq,Dv], lse2 [B,Hq,T] fp32 in log2 units)."""
     B, T, S, Hq, Hkv, Dk, Dv, window, scale, shape_args = _common(q, k, v, window, scale)
     o = torch.empty(B, T, Hq, Dv, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
-    sinks_arg = sinks.contiguous() if sinks is not None else lse     # dummy pointer when unused
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)
-    _attn_fwd_kernel[grid](q, k, v, sinks_arg, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+    lse2 = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
+    sinks_arg = sinks.contiguous() if sinks is not None else lse2    # dummy pointer when unused
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+    _attn_fwd_kernel[grid](q, k, v, sinks_arg, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                            T, S, Hq, Hq // Hkv, Dk, Dv, window, scale, HAS_SINKS=sinks is not None,
                            **shape_args, **_launch_meta())
-    return o, lse
+    return o, lse2
 
 
-def attention_triton_bwd(do, q, k, v, o, lse, *, window=None, sinks=None, scale=None):
-    """Backward from the saved (o, lse). Returns (dq, dk, dv, d_sinks or None)."""
+def _backward(do, q, k, v, o, lse2, window, sinks, scale):
+    """Gradients from the saved (o, lse2). Returns (dq, dk, dv, d_sinks or None)."""
     B, T, S, Hq, Hkv, Dk, Dv, window, scale, shape_args = _common(q, k, v, window, scale)
     delta = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
     delta_block = 16 if INTERPRET else 64
@@ -431,35 +432,41 @@ def attention_triton_bwd(do, q, k, v, o, lse, *, window=None, sinks=None, scale=
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     has_sinks = sinks is not None
-    grid_q = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)
-    _attn_bwd_dq_kernel[grid_q](q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+    grid_q = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+    _attn_bwd_dq_kernel[grid_q](q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                                 *dq.stride(), T, S, Hq, Hq // Hkv, Dk, Dv, window, scale, HAS_SINKS=has_sinks,
                                 **shape_args, **_launch_meta())
-    grid_k = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)
-    _attn_bwd_dkdv_kernel[grid_k](q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(),
+    grid_k = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
+    _attn_bwd_dkdv_kernel[grid_k](q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(),
                                   *do.stride(), *dk.stride(), *dv.stride(), T, S, Hq, Hkv, Hq // Hkv, Dk, Dv,
                                   window, scale, HAS_SINKS=has_sinks, **shape_args, **_launch_meta())
 
     d_sinks = None
     if has_sinks:   # the sink's probability per row is exp(s_h - lse); its logit gets -p_sink * delta
-        p_sink = torch.exp(sinks.float().view(1, Hq, 1) - lse)                  # [B, Hq, T]
+        p_sink = torch.exp2(sinks.float().view(1, Hq, 1) * LOG2E - lse2)      # [B, Hq, T]
         d_sinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
     return dq, dk, dv, d_sinks
+
+
+def attention_triton_fwd(q, k, v, *, window=None, sinks=None, scale=None):
+    """Forward only (no autograd). Returns (o [B,T,Hq,Dv] in q's dtype,
+    lse [B,Hq,T] fp32: natural-log log-sum-exp of each row's logits, sink included)."""
+    o, lse2 = _forward(q, k, v, window, sinks, scale)
+    return o, lse2 * LN2
 
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, window, scale):
-        o, lse = attention_triton_fwd(q, k, v, window=window, sinks=sinks, scale=scale)
-        ctx.save_for_backward(q, k, v, sinks, o, lse)
+        o, lse2 = _forward(q, k, v, window, sinks, scale)
+        ctx.save_for_backward(q, k, v, sinks, o, lse2)
         ctx.window, ctx.scale = window, scale
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, sinks, o, lse = ctx.saved_tensors
-        dq, dk, dv, d_sinks = attention_triton_bwd(do, q, k, v, o, lse, window=ctx.window, sinks=sinks,
-                                                   scale=ctx.scale)
+        q, k, v, sinks, o, lse2 = ctx.saved_tensors
+        dq, dk, dv, d_sinks = _backward(do, q, k, v, o, lse2, ctx.window, sinks, ctx.scale)
         return dq, dk, dv, d_sinks, None, None
 
 
