@@ -62,7 +62,7 @@ _BWD_CONFIGS = _configs([(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (64, 12
 
 def _prune_for_short_queries(configs, named_args, **kwargs):
     """Decode / short prefill: don't spend a 128-row query block on a single query."""
-    t = named_args["T_BUCKET"]
+    t = {**named_args, **kwargs}["T_BUCKET"]
     keep = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, t)]
     return keep or configs[:1]
 
