@@ -33,7 +33,7 @@ dK/dV are computed by one program per key block of one kv head, looping over the
 its GQA group and over the query blocks that see it (no atomics); dQ by one program per query
 block, looping over key blocks exactly like the forward.
 """
-import math
+import contextlib
 import os
 
 import torch
@@ -451,14 +451,21 @@ def _backward(do, q, k, v, o, lse2, window, sinks, scale):
 def attention_triton_fwd(q, k, v, *, window=None, sinks=None, scale=None):
     """Forward only (no autograd). Returns (o [B,T,Hq,Dv] in q's dtype,
     lse [B,Hq,T] fp32: natural-log log-sum-exp of each row's logits, sink included)."""
-    o, lse2 = _forward(q, k, v, window, sinks, scale)
+    with _on_device(q):
+        o, lse2 = _forward(q, k, v, window, sinks, scale)
     return o, lse2 * LN2
+
+
+def _on_device(x):
+    """Triton launches on the current CUDA device: make it the tensors' device."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, window, scale):
-        o, lse2 = _forward(q, k, v, window, sinks, scale)
+        with _on_device(q):
+            o, lse2 = _forward(q, k, v, window, sinks, scale)
         ctx.save_for_backward(q, k, v, sinks, o, lse2)
         ctx.window, ctx.scale = window, scale
         return o
@@ -466,7 +473,8 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, sinks, o, lse2 = ctx.saved_tensors
-        dq, dk, dv, d_sinks = _backward(do, q, k, v, o, lse2, ctx.window, sinks, ctx.scale)
+        with _on_device(q):
+            dq, dk, dv, d_sinks = _backward(do, q, k, v, o, lse2, ctx.window, sinks, ctx.scale)
         return dq, dk, dv, d_sinks, None, None
 
 

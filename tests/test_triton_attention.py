@@ -139,6 +139,21 @@ def test_non_contiguous_inputs():
         torch.testing.assert_close(a.double(), b.double(), atol=ATOL, rtol=0)
 
 
+def test_half_precision_inputs():
+    """fp16 in, fp16 out (fp32 accumulation inside); the interpreter has no bf16 arithmetic (SPEC 7)."""
+    q, k, v, sinks, do = make_inputs(1, 30, 40, 4, 2, 48, 32, with_sinks=True, seed=7)
+    q16, k16, v16 = [x.detach().half().requires_grad_() for x in (q, k, v)]
+    o, g16 = grads(lambda: tri.attention_triton(q16, k16, v16, window=12, sinks=sinks), q16, k16, v16, sinks,
+                   do.half())
+    assert o.dtype == torch.float16 and [x.dtype for x in g16] == [torch.float16] * 3 + [torch.float32]
+    q32, k32, v32 = [x.detach().float().requires_grad_() for x in (q16, k16, v16)]
+    o_ref, g_ref = grads(lambda: naive_attention(q32, k32, v32, window=12, sinks=sinks)[0], q32, k32, v32, sinks,
+                         do.half().float())
+    torch.testing.assert_close(o.double(), o_ref.double(), atol=2e-3, rtol=0)   # fp16 output rounding
+    for a, b in zip(g16, g_ref):
+        torch.testing.assert_close(a.double(), b.double(), atol=4e-3, rtol=0)
+
+
 def test_identities():
     q, k, v, sinks, do = make_inputs(1, 25, 40, 2, 1, 32, 32, with_sinks=True, seed=5)
     q, k, v = q.detach(), k.detach(), v.detach()
