@@ -409,9 +409,9 @@ def topk_select(scores, qpos, k):
     S = scores.shape[-1]
     kpos = torch.arange(S, device=scores.device)
     scores = scores.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf")) + 0.0  # -0 -> +0
-    bits = scores.contiguous().view(torch.int32).long()
-    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)      # monotone in the float value
-    return torch.topk(key * 2 ** 32 + kpos, k, dim=-1).indices
+    bits = scores.contiguous().view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # negative floats: flip magnitude bits
+    return torch.topk(key.long() * 2 ** 32 + kpos, k, dim=-1).indices  # (score, position) packed
 
 
 def kl_to_logits(p, logits, valid):
