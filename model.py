@@ -6,7 +6,7 @@ path (training, `forward`) and a cached path (`step`: prefill and decode) that g
     GPT
       wte                       token embedding, tied with the output head
       blocks[i]: Block          x = x + mixer(norm(x));  x = x + mlp(norm(x))
-        mixer                   Attention (attn), ... one class per mixer kind
+        mixer                   Attention (attn), MLA (mla, + DSA Indexer), ... one class per mixer kind
         mlp                     SwiGLU
       norm_f, lm_head
 
