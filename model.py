@@ -519,9 +519,12 @@ class MLA(nn.Module):
             q_lat = torch.cat([q_abs, q_rope], dim=-1)                         # [B, T, H, d_c + d_rope]
             if sparse:
                 o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss)
-            else:  # MQA with one kv head: keys [c_kv, k_rope], values c_kv
-                o_lat = kernels.attention(q_lat, latent[:, :, None], latent[:, :, None, :d_c],
-                                          scale=self.scale, backend=self.backend)  # [B, T, H, d_c]
+            else:  # MQA with one kv head: keys [c_kv, k_rope], values c_kv. The head is broadcast to
+                # all H heads as a stride-0 view (no copy): with Hq == Hkv PyTorch's SDPA takes its
+                # fused path, while Hq != Hkv (enable_gqa) falls back to the ~30x slower math path on CPU.
+                rows = latent[:, :, None].expand(B, S, H, d_c + d_rope)
+                o_lat = kernels.attention(q_lat, rows, rows[..., :d_c], scale=self.scale,
+                                          backend=self.backend)               # [B, T, H, d_c]
             o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)                    # [B, T, H, d_v]
         else:  # expanded: [k_nope_h, v_h] = c_kv W_ukv for every visible key
             kv = self.wkv_b(latent[..., :d_c]).view(B, S, H, d_nope + d_v)

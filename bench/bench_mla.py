@@ -67,12 +67,14 @@ def main(argv=None):
     p.add_argument("--contexts", default="512,8192")
     p.add_argument("--tokens", type=int, default=10, help="timed decode steps per repeat")
     p.add_argument("--repeats", type=int, default=3, help="report the best of this many timings")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: least hurt by a shared CPU)")
     args, overrides = p.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    torch.set_num_threads(args.threads)
     device = pick_device(cfg.train.device)
     contexts = [int(c) for c in args.contexts.split(",")]
     print(f"decode, batch 1, fp32, device {device}, d_model {cfg.model.d_model}, {cfg.model.n_layer} layers, "
