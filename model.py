@@ -6,7 +6,7 @@ path (training, `forward`) and a cached path (`step`: prefill and decode) that g
     GPT
       wte                       token embedding, tied with the output head
       blocks[i]: Block          x = x + mixer(norm(x));  x = x + mlp(norm(x))
-        mixer                   Attention (attn), ... one class per mixer kind
+        mixer                   Attention (attn), MLA (mla, + DSA Indexer), ... one class per mixer kind
         mlp                     SwiGLU
       norm_f, lm_head
 
@@ -122,6 +122,62 @@ class AttnConfig:
             require(self.head_dim % 2 == 0, f"{path}.head_dim", "even when rope is true", self.head_dim)
         require(self.window is None or self.window >= 1, f"{path}.window", "an integer >= 1 or null", self.window)
         require(self.rope_theta > 0, f"{path}.rope_theta", "> 0", self.rope_theta)
+
+
+@dataclass
+class DSAConfig:
+    """DeepSeek sparse attention (SPEC 3): a lightning indexer picks top_k keys per query."""
+    n_heads: int = 4                    # H_I index heads
+    head_dim: int = 64                  # d_I
+    rope_dim: int = 32                  # RoPE on the first rope_dim dims of index queries and keys
+    top_k: int = 2048                   # keys attended per query
+    stage: str = "sparse"               # dense_warmup (train the indexer only) | sparse
+    loss_weight: float = 1.0            # weight of the indexer KL loss (mean over tokens)
+
+    def check(self, path):
+        positive(f"{path}.n_heads", self.n_heads)
+        positive(f"{path}.head_dim", self.head_dim)
+        require(0 <= self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0, f"{path}.rope_dim",
+                f"an even integer in [0, head_dim={self.head_dim}]", self.rope_dim)
+        positive(f"{path}.top_k", self.top_k)
+        _one_of(f"{path}.stage", self.stage, DSA_STAGES)
+        require(self.loss_weight >= 0, f"{path}.loss_weight", ">= 0", self.loss_weight)
+
+
+DSA_STAGES = ("dense_warmup", "sparse")
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (SPEC 2): low-rank KV latent cache, decoupled RoPE, optional DSA."""
+    kind: str = "mla"
+    n_heads: int = 4
+    q_lora_rank: Optional[int] = None   # None = direct query projection
+    kv_lora_rank: int = 64              # d_c: the cached latent
+    qk_nope_dim: int = 32
+    qk_rope_dim: int = 16               # 0 allowed (no rope part)
+    v_head_dim: int = 32
+    rope: bool = True                   # false = NoPE (Kimi Linear): the rope part is dropped
+    rope_theta: float = 10000.0
+    dsa: Optional[dict] = None          # a DSAConfig mapping; None = dense MLA
+
+    def check(self, path, model):
+        for key in ("n_heads", "kv_lora_rank", "qk_nope_dim", "v_head_dim"):
+            positive(f"{path}.{key}", getattr(self, key))
+        if self.q_lora_rank is not None:
+            positive(f"{path}.q_lora_rank", self.q_lora_rank)
+        require(self.qk_rope_dim >= 0, f"{path}.qk_rope_dim", "an integer >= 0", self.qk_rope_dim)
+        require(self.qk_rope_dim % 2 == 0, f"{path}.qk_rope_dim", "even (half-split RoPE)", self.qk_rope_dim)
+        require(self.rope_theta > 0, f"{path}.rope_theta", "> 0", self.rope_theta)
+        if isinstance(self.dsa, dict):
+            self.dsa = build(DSAConfig, self.dsa, f"{path}.dsa")
+        if self.dsa is not None:
+            self.dsa.check(f"{path}.dsa")
+
+    @property
+    def rope_dim(self):
+        """The rope dims actually used: 0 under NoPE."""
+        return self.qk_rope_dim if self.rope else 0
 
 
 @dataclass
@@ -311,6 +367,10 @@ class Attention(nn.Module):
         cache.v[:, :, new] = v[:, T - n_new:].transpose(1, 2)
         return k_all, v_all
 
+    def cache_bytes_per_token(self, dtype=torch.float32):
+        """K and V per cached token (a windowed layer caches at most `window` tokens)."""
+        return 2 * self.cfg.n_kv_heads * self.cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
 
 MIXERS["attn"] = (AttnConfig, Attention)
 
@@ -440,6 +500,9 @@ class DeltaNet(nn.Module):
             o = self.o_norm(o) * gate
         return self.wo(o.reshape(B, T, H * V))
 
+    def cache_bytes_per_token(self, dtype=torch.float32):
+        return 0  # the state does not grow with the context; its size is new_cache(...).nbytes()
+
     def new_cache(self, batch_size, max_len, device, dtype):
         c = self.cfg
         conv_width = max(c.conv_size - 1, 0)
@@ -449,6 +512,248 @@ class DeltaNet(nn.Module):
 
 for _kind in DELTA_KINDS:
     MIXERS[_kind] = (DeltaConfig, DeltaNet)
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-head latent attention (SPEC 2) and DeepSeek sparse attention (SPEC 3)
+#
+# Dimensions: H heads, d_c = kv_lora_rank (the latent), d_nope = qk_nope_dim, d_rope = qk_rope_dim
+# (0 under NoPE), d_v = v_head_dim, r_q = q_lora_rank; indexer: H_I heads of d_I dims, k = top_k.
+
+MLA_BLOCK_Q = 256  # queries per block in the sparse path and the indexer loss: memory O(block * S)
+
+
+def index_scores(iq, iw, ik):
+    """I[b,t,s] = sum_h w[b,t,h] * ReLU(q^I[b,t,h] . k^I[b,s]) * d_I**-0.5, for every s (no mask).
+
+    iq [B, T, H_I, d_I]  iw [B, T, H_I] (already * H_I**-0.5)  ik [B, S, d_I]  ->  [B, T, S] fp32"""
+    dots = torch.einsum("bthd,bsd->bths", iq.float(), ik.float()).relu()   # [B, T, H_I, S]
+    return torch.einsum("bths,bth->bts", dots, iw.float()) * iq.shape[-1] ** -0.5
+
+
+def index_scores_selected(iq, iw, ik_sel):
+    """The same score against per-query key sets: ik_sel [B, T, k, d_I] -> [B, T, k] fp32."""
+    dots = torch.einsum("bthd,btkd->bthk", iq.float(), ik_sel.float()).relu()  # [B, T, H_I, k]
+    return torch.einsum("bthk,bth->btk", dots, iw.float()) * iq.shape[-1] ** -0.5
+
+
+def topk_select(scores, qpos, k):
+    """Indices [B, T, k] of the k best keys per query among s <= qpos[t]; scores [B, T, S] fp32.
+
+    Deterministic: the order is lexicographic on (score, position), so an exact tie (common: ReLU
+    zeros) goes to the most recent key, the same in the parallel path and in decode. Scores are
+    mapped to order-preserving integers and packed with the position into one int64 key, so the
+    top-k never depends on how torch.topk breaks ties. Keys after a query get score -inf and are
+    only picked when a query sees fewer than k keys; the caller masks them (sel > qpos)."""
+    S = scores.shape[-1]
+    kpos = torch.arange(S, device=scores.device)
+    scores = scores.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf")) + 0.0  # -0 -> +0
+    bits = scores.contiguous().view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # negative floats: flip magnitude bits
+    return torch.topk(key.long() * 2 ** 32 + kpos, k, dim=-1).indices  # (score, position) packed
+
+
+def kl_to_logits(p, logits, valid):
+    """sum over rows of KL(p || softmax(logits)) restricted to `valid` entries; p detached, rows sum to 1."""
+    logq = logits.masked_fill(~valid, float("-inf")).log_softmax(-1).masked_fill(~valid, 0.0)
+    return (torch.xlogy(p, p) - p * logq).masked_fill(~valid, 0.0).sum()
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer: H_I small ReLU heads scoring every past key (SPEC 3)."""
+
+    def __init__(self, cfg: DSAConfig, d_model, q_in_dim, rope_theta, eps):
+        super().__init__()
+        self.cfg, self.rope_theta = cfg, rope_theta
+        self.wq = nn.Linear(q_in_dim, cfg.n_heads * cfg.head_dim, bias=False)  # c_q (or x) -> q^I
+        self.wk = nn.Linear(d_model, cfg.head_dim, bias=False)                 # x -> k^I, one shared key
+        self.k_norm = nn.LayerNorm(cfg.head_dim, eps=eps)
+        self.ww = nn.Linear(d_model, cfg.n_heads, bias=False)                  # x -> per-head weights
+
+    def forward(self, x, q_in, positions):
+        """x [B, T, d_model], q_in [B, T, r_q or d_model] -> iq [B,T,H_I,d_I], iw [B,T,H_I], ik [B,T,d_I]."""
+        B, T, _ = x.shape
+        c = self.cfg
+        iq = self.wq(q_in).view(B, T, c.n_heads, c.head_dim)
+        ik = self.k_norm(self.wk(x)).view(B, T, 1, c.head_dim)
+        if c.rope_dim:
+            cos, sin = rope_angles(positions, c.rope_dim, self.rope_theta)
+            r = c.rope_dim
+            iq = torch.cat([apply_rope(iq[..., :r], cos, sin), iq[..., r:]], dim=-1)
+            ik = torch.cat([apply_rope(ik[..., :r], cos, sin), ik[..., r:]], dim=-1)
+        iw = self.ww(x) * c.n_heads ** -0.5
+        return iq, iw, ik[:, :, 0]
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention; with `dsa`, DeepSeek sparse attention on top.
+
+    Parallel path: the expanded form through kernels.attention (dense), or, in the DSA sparse stage,
+    the absorbed form over the top-k latent rows of each query, block by block. Decode: the absorbed
+    form over a cache of [c_kv | k_rope] rows (d_c + d_rope numbers per token), plus the indexer's
+    keys (d_I per token) with DSA. `absorb` (None: absorbed for 1-token steps, expanded for
+    chunks; True/False: force) picks the form of dense `step`s; both equal `forward`.
+    """
+
+    def __init__(self, cfg: MLAConfig, model: ModelConfig):
+        super().__init__()
+        self.cfg, self.backend, self.absorb = cfg, model.backend, None
+        H, d_c, d_nope, d_rope, d_v = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.rope_dim, cfg.v_head_dim
+        d, r_q = model.d_model, cfg.q_lora_rank
+        if r_q is None:
+            self.wq = nn.Linear(d, H * (d_nope + d_rope), bias=False)             # W_q
+        else:
+            self.wq_a = nn.Linear(d, r_q, bias=False)                             # W_dq
+            self.q_norm = RMSNorm(r_q, model.norm_eps)
+            self.wq_b = nn.Linear(r_q, H * (d_nope + d_rope), bias=False)         # W_uq
+        self.wkv_a = nn.Linear(d, d_c + d_rope, bias=False)                       # W_dkv
+        self.kv_norm = RMSNorm(d_c, model.norm_eps)
+        self.wkv_b = nn.Linear(d_c, H * (d_nope + d_v), bias=False)               # W_ukv = [W_UK_h; W_UV_h]
+        self.wo = nn.Linear(H * d_v, d, bias=False)
+        self.wo.residual_out = True
+        self.scale = (d_nope + d_rope) ** -0.5
+        self.indexer = None if cfg.dsa is None else Indexer(cfg.dsa, d, r_q or d, cfg.rope_theta, model.norm_eps)
+        self.aux_loss = None
+
+    # -- absorption: W_ukv viewed per head as W_UK [H, d_nope, d_c] and W_UV [H, d_v, d_c]
+    def _w_uk_uv(self):
+        c = self.cfg
+        w = self.wkv_b.weight.view(c.n_heads, c.qk_nope_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, :c.qk_nope_dim], w[:, c.qk_nope_dim:]
+
+    def forward(self, x, cache=None, pos=0):
+        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path."""
+        B, T, _ = x.shape
+        c = self.cfg
+        H, d_c, d_nope, d_rope, d_v = c.n_heads, c.kv_lora_rank, c.qk_nope_dim, c.rope_dim, c.v_head_dim
+        positions = torch.arange(pos, pos + T, device=x.device)
+        self.aux_loss = None
+        want_loss = self.training and cache is None and self.indexer is not None
+        # query: c_q = RMSNorm(x W_dq) [B, T, r_q]; q = c_q W_uq  (or q = x W_q)   [B, T, H, d_nope + d_rope]
+        if c.q_lora_rank is None:
+            c_q, q = None, self.wq(x)
+        else:
+            c_q = self.q_norm(self.wq_a(x))
+            q = self.wq_b(c_q)
+        q_nope, q_rope = q.view(B, T, H, d_nope + d_rope).split([d_nope, d_rope], dim=-1)
+        # key/value latent: [c_kv (d_c), k_rope (d_rope)] = x W_dkv; c_kv normed; one roped key for all heads
+        c_kv, k_rope = self.wkv_a(x).split([d_c, d_rope], dim=-1)          # [B, T, d_c], [B, T, d_rope]
+        c_kv = self.kv_norm(c_kv)
+        if d_rope:
+            cos, sin = rope_angles(positions, d_rope, c.rope_theta)
+            q_rope = apply_rope(q_rope, cos, sin)
+            k_rope = apply_rope(k_rope[:, :, None], cos, sin)[:, :, 0]
+        latent = torch.cat([c_kv, k_rope], dim=-1)                          # [B, T, d_c + d_rope]
+        if self.indexer is not None:  # detached input: the indexer learns from its KL loss only
+            iq, iw, ik = self.indexer(x.detach(), (x if c_q is None else c_q).detach(), positions)
+        if cache is not None:
+            latent, ik = self.update_cache(cache, latent, ik if self.indexer is not None else None, pos)
+        S = latent.shape[1]                                                 # keys visible: 0 .. S-1
+        sparse = self.indexer is not None and c.dsa.stage == "sparse"
+        absorb = (T == 1) if self.absorb is None else self.absorb
+        kl = None
+        if sparse or (cache is not None and absorb):
+            w_uk, w_uv = self._w_uk_uv()
+            q_abs = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)               # q~_h = q_nope_h W_UK_h^T [B,T,H,d_c]
+            q_lat = torch.cat([q_abs, q_rope], dim=-1)                         # [B, T, H, d_c + d_rope]
+            if sparse:
+                o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss)
+            else:  # MQA with one kv head: keys [c_kv, k_rope], values c_kv. The head is broadcast to
+                # all H heads as a stride-0 view (no copy): with Hq == Hkv PyTorch's SDPA takes its
+                # fused path, while Hq != Hkv (enable_gqa) falls back to the ~30x slower math path on CPU.
+                rows = latent[:, :, None].expand(B, S, H, d_c + d_rope)
+                o_lat = kernels.attention(q_lat, rows, rows[..., :d_c], scale=self.scale,
+                                          backend=self.backend)               # [B, T, H, d_c]
+            o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)                    # [B, T, H, d_v]
+        else:  # expanded: [k_nope_h, v_h] = c_kv W_ukv for every visible key
+            kv = self.wkv_b(latent[..., :d_c]).view(B, S, H, d_nope + d_v)
+            k_nope, v = kv.split([d_nope, d_v], dim=-1)                        # [B, S, H, d_nope], [B, S, H, d_v]
+            k = torch.cat([k_nope, latent[:, :, None, d_c:].expand(B, S, H, d_rope)], dim=-1)
+            q = torch.cat([q_nope, q_rope], dim=-1)                            # [B, T, H, d_nope + d_rope]
+            o = kernels.attention(q, k, v, scale=self.scale, backend=self.backend)  # [B, T, H, d_v]
+            if want_loss:
+                kl = self._dense_indexer_kl(q.detach(), k.detach(), iq, iw, ik)
+        if want_loss:  # L_I: KL summed over heads' distribution, mean over the B*T query tokens
+            self.aux_loss = ("indexer_kl", c.dsa.loss_weight * kl / (B * T))
+        return self.wo(o.reshape(B, T, H * d_v))
+
+    def _sparse_attention(self, q_lat, latent, iq, iw, ik, offset, want_loss):
+        """Absorbed attention over each query's top-k keys, query block by query block.
+
+        q_lat [B,T,H,d_c+d_rope]  latent [B,S,d_c+d_rope]  iq [B,T,H_I,d_I]  iw [B,T,H_I]  ik [B,S,d_I]
+        Query t sits at position offset + t. Returns o_lat [B,T,H,d_c] and the KL sum (or None).
+        Memory per block: the index scores [B, block, S] (no grad) and the gathered rows
+        [B, block, k, d_c + d_rope]; what autograd keeps is O(T * k), never T x S."""
+        B, T, H, _ = q_lat.shape
+        d_c = self.cfg.kv_lora_rank
+        b = torch.arange(B, device=q_lat.device)[:, None, None]
+        outs, kl = [], q_lat.new_zeros((), dtype=torch.float32) if want_loss else None
+        for t0 in range(0, T, MLA_BLOCK_Q):
+            t1 = min(T, t0 + MLA_BLOCK_Q)
+            hi = offset + t1                                                   # keys this block may see
+            qpos = torch.arange(offset + t0, offset + t1, device=q_lat.device)
+            with torch.no_grad():
+                sel = topk_select(index_scores(iq[:, t0:t1], iw[:, t0:t1], ik[:, :hi]), qpos,
+                                  min(self.cfg.dsa.top_k, hi))                 # [B, Tb, k]
+            valid = sel <= qpos[None, :, None]                                 # [B, Tb, k]
+            rows = latent[b, sel].float()                                      # [B, Tb, k, d_c + d_rope]
+            att = torch.einsum("bthd,btkd->bthk", q_lat[:, t0:t1].float(), rows) * self.scale
+            p = att.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)  # [B, Tb, H, k]
+            outs.append(torch.einsum("bthk,btkc->bthc", p, rows[..., :d_c]))   # [B, Tb, H, d_c]
+            if want_loss:  # L_I on the selected set; the target: heads summed, L1-normalised, detached
+                target = p.detach().sum(2)
+                target = target / target.sum(-1, keepdim=True)
+                logits = index_scores_selected(iq[:, t0:t1], iw[:, t0:t1], ik[b, sel])
+                kl = kl + kl_to_logits(target, logits, valid)
+        return torch.cat(outs, dim=1).to(q_lat.dtype), kl
+
+    def _dense_indexer_kl(self, q, k, iq, iw, ik):
+        """dense_warmup L_I (summed over tokens): KL(p_t || softmax(I_t)) over all s <= t.
+
+        q, k [B,T,H,d_nope+d_rope] detached. Blocks are checkpointed: autograd keeps only their inputs,
+        and the [B, block, H_I, T] ReLU scores are recomputed in backward."""
+        from torch.utils.checkpoint import checkpoint
+        kl = 0.0
+        for t0 in range(0, q.shape[1], MLA_BLOCK_Q):
+            t1 = min(q.shape[1], t0 + MLA_BLOCK_Q)
+            kl = kl + checkpoint(self._dense_kl_block, q[:, t0:t1], k[:, :t1], iq[:, t0:t1], iw[:, t0:t1],
+                                 ik[:, :t1], t0, use_reentrant=False)
+        return kl
+
+    def _dense_kl_block(self, q, k, iq, iw, ik, t0):
+        Tb, S = q.shape[1], k.shape[1]
+        valid = (torch.arange(S, device=q.device)[None, :] <= torch.arange(t0, t0 + Tb, device=q.device)[:, None])
+        with torch.no_grad():  # p_t: the main attention distribution, summed over heads, L1-normalised
+            att = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * self.scale   # [B, H, Tb, S]
+            p = att.masked_fill(~valid, float("-inf")).softmax(-1).sum(1)             # [B, Tb, S]
+            p = p / p.sum(-1, keepdim=True)
+        return kl_to_logits(p, index_scores(iq, iw, ik), valid.expand_as(p))
+
+    def new_cache(self, batch_size, max_len, device, dtype):
+        """kv [B, max_len, d_c + d_rope] = [c_kv | roped k_rope]; with DSA ik [B, max_len, d_I]."""
+        kv = torch.zeros(batch_size, max_len, self.cfg.kv_lora_rank + self.cfg.rope_dim, device=device, dtype=dtype)
+        if self.indexer is None:
+            return LayerCache(kv=kv)
+        return LayerCache(kv=kv, ik=torch.zeros(batch_size, max_len, self.cfg.dsa.head_dim, device=device, dtype=dtype))
+
+    def update_cache(self, cache, latent, ik, pos):
+        """Store latent [B, T, d_c + d_rope] (and ik [B, T, d_I]); return every row the new queries see."""
+        T, slots = latent.shape[1], cache.kv.shape[1]
+        if pos + T > slots:
+            raise ValueError(f"context of {pos + T} tokens exceeds the cache of an MLA layer "
+                             f"(max_len={slots}); make the cache larger")
+        cache.kv[:, pos:pos + T] = latent
+        if ik is None:
+            return cache.kv[:, :pos + T], None
+        cache.ik[:, pos:pos + T] = ik
+        return cache.kv[:, :pos + T], cache.ik[:, :pos + T]
+
+    def cache_bytes_per_token(self, dtype=torch.float32):
+        n = self.cfg.kv_lora_rank + self.cfg.rope_dim + (0 if self.indexer is None else self.cfg.dsa.head_dim)
+        return n * torch.empty((), dtype=dtype).element_size()
+
+
+MIXERS["mla"] = (MLAConfig, MLA)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,7 +805,8 @@ class GPT(nn.Module):
         """idx [B, T] -> logits [B, T, vocab]; loss (mean cross-entropy, targets -1 ignored) or None.
 
         Mixers with auxiliary losses (the DSA indexer) leave them in `mixer.aux_loss`; they are added
-        to the loss and reported in `self.aux_losses` (name -> detached mean over layers).
+        to the loss and reported in `self.aux_losses` (name -> detached mean over layers); the
+        cross-entropy alone is kept in `self.lm_loss`.
         """
         x = self.wte(idx)
         for block in self.blocks:
@@ -509,6 +815,7 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        self.lm_loss = loss.detach()  # the LM part alone, for logging
         self.aux_losses = {}
         for block in self.blocks:
             aux = getattr(block.mixer, "aux_loss", None)

@@ -74,6 +74,22 @@ def load_checkpoint(path):
                         f"it may be truncated or corrupt") from None
 
 
+def print_cache_bytes(mcfg, model):
+    """One line per distinct layer: decode-cache bytes per token per layer at the weights' dtype."""
+    names = [mcfg.pattern[i % len(mcfg.pattern)] for i in range(mcfg.n_layer)]
+    dtype = next(model.parameters()).dtype
+    for name in dict.fromkeys(names):
+        mixer = model.blocks[names.index(name)].mixer
+        per_token = mixer.cache_bytes_per_token(dtype)
+        if per_token == 0:
+            state = mixer.new_cache(1, 1, "cpu", dtype).nbytes()
+            print(f"cache: {name} ({mixer.cfg.kind}) {state} bytes/layer whatever the context (fp32 state)")
+        else:
+            window = getattr(mixer.cfg, "window", None)
+            cap = f", at most {window} tokens" if window else ""
+            print(f"cache: {name} ({mixer.cfg.kind}) {per_token} bytes/token/layer ({dtype}){cap}")
+
+
 def train(cfg, resume=None, quiet=False, stop_at=None):
     """Run training for `cfg`; returns the final metrics dict. stop_at: stop after that step (as if
     interrupted: the schedule still runs to max_steps)."""
@@ -101,6 +117,7 @@ def train(cfg, resume=None, quiet=False, stop_at=None):
     if not quiet:
         print(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.model.n_layer} layers "
               f"({', '.join(c.kind for c in cfg.model.layer_configs())}), device {device}")
+        print_cache_bytes(cfg.model, model)
     log = open(os.path.join(tc.out_dir, "metrics.jsonl"), "a")
 
     def checkpoint():
@@ -129,11 +146,11 @@ def train(cfg, resume=None, quiet=False, stop_at=None):
             x, y = data.next_batch()
             _, loss = model(x.to(device), y.to(device))
             (loss / tc.grad_accum).backward()
-            step_loss += loss.item() / tc.grad_accum
+            step_loss += getattr(model, "lm_loss", loss).item() / tc.grad_accum  # `loss` logs the LM part; aux losses apart
             for name, value in getattr(model, "aux_losses", {}).items():
                 aux[name] = aux.get(name, 0.0) + value.item() / tc.grad_accum
-        if not math.isfinite(step_loss):
-            raise FloatingPointError(f"loss is {step_loss} at step {step}; lower train.lr or check the data")
+        if not math.isfinite(step_loss + sum(aux.values())):
+            raise FloatingPointError(f"loss is {step_loss} (aux {aux}) at step {step}; lower train.lr or check the data")
         if tc.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         optimizer.step()

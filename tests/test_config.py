@@ -22,6 +22,13 @@ def layer(**kw):
     return {"layers": {"a": {**GOOD_LAYER, **kw}}}
 
 
+def mla(dsa=None, **kw):
+    spec = {"kind": "mla", "n_heads": 4, "kv_lora_rank": 16, "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 8}
+    if dsa is not None:
+        spec["dsa"] = dsa
+    return {"layers": {"a": {**spec, **kw}}}
+
+
 BAD = [  # (config dict, what the one-line error must name)
     (raw(model={"d_modle": 32}), "model.d_modle: unknown key"),
     (raw(model=layer(kind="mamba")), "model.layers.a.kind: must be one of"),
@@ -39,6 +46,16 @@ BAD = [  # (config dict, what the one-line error must name)
     (raw(model={"pattern": []}), "model.pattern: must be a non-empty list"),
     (raw(model={"mlp": {"kind": "gelu"}}), "model.mlp.kind: must be one of swiglu"),
     (raw(model={"backend": "cuda"}), "model.backend: must be null or one of torch, triton"),
+    (raw(model=mla(kv_lora_rank=0)), "model.layers.a.kv_lora_rank: must be an integer >= 1"),
+    (raw(model=mla(qk_rope_dim=3)), "model.layers.a.qk_rope_dim: must be even"),
+    (raw(model=mla(q_lora_rank=0)), "model.layers.a.q_lora_rank: must be an integer >= 1"),
+    (raw(model=mla(kv_rank=8)), "model.layers.a.kv_rank: unknown key"),
+    (raw(model=mla(dsa={"top_k": 0})), "model.layers.a.dsa.top_k: must be an integer >= 1"),
+    (raw(model=mla(dsa={"topk": 64})), "model.layers.a.dsa.topk: unknown key"),
+    (raw(model=mla(dsa={"stage": "warmup"})), "model.layers.a.dsa.stage: must be one of dense_warmup, sparse"),
+    (raw(model=mla(dsa={"head_dim": 16, "rope_dim": 32})), "model.layers.a.dsa.rope_dim: must be an even integer"),
+    (raw(model=mla(dsa={"loss_weight": -1})), "model.layers.a.dsa.loss_weight: must be >= 0"),
+    (raw(model=mla(dsa=[64])), "model.layers.a.dsa: must be a mapping"),
     (raw(train={"max_steps": 0}), "train.max_steps: must be an integer >= 1"),
     (raw(train={"lr": -1}), "train.lr: must be > 0"),
     (raw(train={"batchsize": 4}), "train.batchsize: unknown key"),
@@ -63,6 +80,13 @@ def test_good_config_and_defaults():
     attn = cfg.model.layers["a"]
     assert (attn.n_heads, attn.n_kv_heads, attn.head_dim) == (4, 2, 8)
     assert cfg.model.mlp.hidden % 64 == 0 and cfg.train.max_steps > 0
+
+
+def test_mla_config_with_dsa():
+    cfg = from_raw(raw(model=mla(dsa={"top_k": 16, "stage": "dense_warmup"})))
+    a = cfg.model.layers["a"]
+    assert a.kind == "mla" and a.dsa.top_k == 16 and a.dsa.stage == "dense_warmup" and a.dsa.n_heads == 4
+    assert from_raw(raw(model=mla())).model.layers["a"].dsa is None
 
 
 def test_pattern_is_cycled_to_n_layer():
