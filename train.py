@@ -50,15 +50,16 @@ def lr_at(step, tc):
 # Optimizers
 
 
-def param_roles(model, tc):
+def param_roles(model, tc, muon=None):
     """name -> 'muon' | 'decay' | 'no_decay' (decided on the unsharded model: FSDP drops attributes).
 
     Muon takes the 2-D hidden matrices (parameters of the blocks); AdamW takes the embedding/head,
     norms, biases, sinks, gate scalars and anything flagged `no_weight_decay` (decay on matrices only)."""
+    muon = tc.optimizer == "muon" if muon is None else muon
     roles = {}
     for name, p in model.named_parameters():
         flagged = getattr(p, "no_weight_decay", False)
-        if tc.optimizer == "muon" and name.startswith("blocks.") and p.dim() == 2 and not flagged:
+        if muon and name.startswith("blocks.") and p.dim() == 2 and not flagged:
             roles[name] = "muon"
         elif p.dim() >= 2 and not flagged:
             roles[name] = "decay"
@@ -84,8 +85,8 @@ def make_optimizers(model, tc, roles):
 
 
 def make_optimizer(model, tc):
-    """The AdamW optimizer of a single-process model (kept for scripts that build their own loop)."""
-    return make_optimizers(model, tc, param_roles(model, tc))[-1]
+    """One AdamW over every parameter of a single-process model (for scripts with their own loop)."""
+    return make_optimizers(model, tc, param_roles(model, tc, muon=False))[-1]
 
 
 # ----------------------------------------------------------------------------------------------
