@@ -45,8 +45,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def child_env():
-    return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": ROOT}
+def child_env(threads=None):
+    """The environment of a child process: as many threads as this one (bitwise-equal math), or 1 per
+    rank under torchrun (2 ranks on 2 cores)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads or torch.get_num_threads()), "PYTHONPATH": ROOT}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,7 +65,7 @@ def test_ddp_and_fsdp_on_two_ranks_match_one_rank(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
                         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
                         os.path.join(ROOT, "tests", "dist_worker.py"), str(spec)],
-                       capture_output=True, text=True, timeout=600, env=child_env())
+                       capture_output=True, text=True, timeout=600, env=child_env(threads=1))
     assert r.returncode == 0, r.stderr[-3000:]
     ref = tmp_path / "one"
     train(from_raw(raw_config(ref, grad_accum=2)), quiet=True)
@@ -107,17 +109,17 @@ def wait_for_checkpoint(proc, out_dir, min_step, timeout=300):
     raise AssertionError("no checkpoint in time")
 
 
-LONG = {"max_steps": 100000, "ckpt_interval": 10}
+LONG = {"max_steps": 100000, "ckpt_interval": 5}
 
 
 def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
     run = tmp_path / "killed"
     proc = start_training(run, **LONG)
-    wait_for_checkpoint(proc, run, 20)
+    wait_for_checkpoint(proc, run, 10)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     resumed_from = int(os.path.basename(latest_checkpoint(str(run)))[5:-3])
-    stop = resumed_from + 8
+    stop = resumed_from + 4
     train(from_raw(raw_config(run, **LONG)), resume=True, quiet=True, stop_at=stop)
     ref = tmp_path / "ref"
     train(from_raw(raw_config(ref, **LONG)), quiet=True, stop_at=stop)
@@ -130,7 +132,7 @@ def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
 def test_sigterm_saves_exits_0_and_resume_continues(tmp_path):
     run = tmp_path / "run"
     proc = start_training(run, **LONG)
-    wait_for_checkpoint(proc, run, 10)
+    wait_for_checkpoint(proc, run, 5)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
