@@ -17,6 +17,9 @@ from model import ConfigError, ModelConfig, build, positive, require
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "default.yaml")
 DATA_KINDS = ("stdlib", "bin", "mqar")
+PARALLEL = ("ddp", "fsdp")
+OPTIMIZERS = ("adamw", "muon")
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass
@@ -38,7 +41,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 300
-    batch_size: int = 8                 # sequences per micro-batch
+    batch_size: int = 8                 # sequences per GLOBAL micro-batch (each of W ranks gets batch_size / W)
     seq_len: int = 256
     grad_accum: int = 1                 # micro-batches per optimizer step
     lr: float = 3e-3
@@ -56,10 +59,17 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"                # auto, cpu, cuda, cuda:N
     sample_tokens: int = 200            # tokens sampled at the end of a text run (0 = none)
+    parallel: str = "ddp"               # under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard)
+    optimizer: str = "adamw"            # adamw, or muon (blocks' 2-D matrices; AdamW for the rest)
+    muon_lr: float = 0.02               # peak lr of the Muon group (same warmup + cosine as lr)
+    precision: str = "auto"             # auto (bf16 autocast on CUDA, fp32 on CPU), bf16, fp32
+    compile: bool = False               # torch.compile the model
+    keep_last: int = 3                  # checkpoints kept in out_dir (older ones are deleted)
+    max_bad_steps: int = 5              # non-finite losses in a row before the run stops
 
     def check(self, path, model):
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_interval",
-                    "eval_batches", "ckpt_interval"):
+                    "eval_batches", "ckpt_interval", "keep_last", "max_bad_steps"):
             positive(f"{path}.{key}", getattr(self, key))
         require(self.lr > 0, f"{path}.lr", "> 0", self.lr)
         require(0 <= self.min_lr_ratio <= 1, f"{path}.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
@@ -71,6 +81,10 @@ class TrainConfig:
         require(self.sample_tokens >= 0, f"{path}.sample_tokens", "an integer >= 0", self.sample_tokens)
         require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                 f"{path}.device", "auto, cpu, cuda or cuda:N", self.device)
+        require(self.parallel in PARALLEL, f"{path}.parallel", f"one of {', '.join(PARALLEL)}", self.parallel)
+        require(self.optimizer in OPTIMIZERS, f"{path}.optimizer", f"one of {', '.join(OPTIMIZERS)}", self.optimizer)
+        require(self.muon_lr > 0, f"{path}.muon_lr", "> 0", self.muon_lr)
+        require(self.precision in PRECISIONS, f"{path}.precision", f"one of {', '.join(PRECISIONS)}", self.precision)
 
 
 @dataclass

@@ -71,8 +71,10 @@ class MQARData:
     @torch.no_grad()
     def evaluate(self, model, n_batches, device):
         losses, accs = [], []
-        for i in range(n_batches):  # a held-out seed stream
-            x, y, _ = mqar_batch(self.B, self.T, self.n_pairs, self.vocab, [self.seed, 10 ** 9 + i])
+        rows = slice(self.rank * self.B, (self.rank + 1) * self.B)
+        for i in range(n_batches):  # a held-out seed stream, sliced by rank like next_batch
+            x, y, _ = mqar_batch(self.world * self.B, self.T, self.n_pairs, self.vocab, [self.seed, 10 ** 9 + i])
+            x, y = x[rows], y[rows]
             logits, loss = model(x.to(device), y.to(device))
             losses.append(loss.item())
             accs.append(mqar_accuracy(logits, y.to(device)))
@@ -80,12 +82,19 @@ class MQARData:
 
 
 def make_dataset(cfg, rank=0, world=1):
+    """The dataset of rank `rank` of `world`: train.batch_size is the global micro-batch, each rank
+    reads its own batch_size / world rows of it (the global batch does not depend on world)."""
     d, t, m = cfg.data, cfg.train, cfg.model
+    if t.batch_size % world:
+        from model import ConfigError
+        raise ConfigError(f"train.batch_size: must be divisible by the number of ranks {world} (it is the "
+                          f"global micro-batch, split across ranks) (got {t.batch_size})")
+    B = t.batch_size // world
     if d.kind == "mqar":
-        return MQARData(d.n_pairs, d.mqar_vocab or m.vocab_size, t.batch_size, t.seq_len, t.seed, rank, world)
+        return MQARData(d.n_pairs, d.mqar_vocab or m.vocab_size, B, t.seq_len, t.seed, rank, world)
     if d.kind == "stdlib":
         from data.stdlib import prepare_stdlib
         folder = prepare_stdlib(d.dir, quiet=rank != 0)
     else:
         folder = d.dir
-    return TextData(folder, m.vocab_size, t.batch_size, t.seq_len, rank, world)
+    return TextData(folder, m.vocab_size, B, t.seq_len, rank, world)

@@ -7,6 +7,7 @@ A corpus is a folder of `train_*.bin` and `val_*.bin` shards (a single shard is 
 """
 import glob
 import os
+import re
 
 import numpy as np
 import torch
@@ -64,6 +65,13 @@ def open_split(folder, split):
     paths = sorted(glob.glob(os.path.join(folder, f"{split}_*.bin")))
     if not paths:
         raise DataError(f"{folder}: no {split}_*.bin shards found; prepare the corpus first (data/prepare.py)")
+    numbers = [re.fullmatch(rf"{split}_(\d+)\.bin", os.path.basename(p)) for p in paths]
+    if all(numbers):  # numbered shards must run 0, 1, 2, ... without a gap
+        have = {int(m.group(1)) for m in numbers}
+        missing = [i for i in range(max(have) + 1) if i not in have]
+        if missing:
+            raise DataError(f"{folder}: shard {split}_{missing[0]:03d}.bin is missing ({len(missing)} missing of "
+                            f"{max(have) + 1}); prepare the corpus again (data/prepare.py resumes)")
     shards = [TokenFile(p) for p in paths]
     vocab = {s.vocab_size for s in shards}
     if len(vocab) > 1:
@@ -89,10 +97,19 @@ class TokenLoader:
         self.shard, self.offset = 0, 0
 
     def state_dict(self):
-        return {"shard": self.shard, "offset": self.offset}
+        return {"shard": self.shard, "offset": self.offset, "file": os.path.basename(self.shards[self.shard].path),
+                "n_shards": len(self.shards)}
 
     def load_state_dict(self, state):
-        self.shard, self.offset = int(state["shard"]), int(state["offset"])
+        shard, offset = int(state["shard"]), int(state["offset"])
+        if shard >= len(self.shards) or ("file" in state and os.path.basename(self.shards[shard].path) != state["file"]):
+            raise DataError(f"the saved data position is in shard {state.get('file', shard)}, which this corpus "
+                            f"({len(self.shards)} shards from {os.path.dirname(self.shards[0].path)}) does not have "
+                            f"at that index; resume with the corpus the run was started on")
+        if offset > self.shards[shard].n_tokens:
+            raise DataError(f"the saved data position (offset {offset}) lies past the end of "
+                            f"{self.shards[shard].path} ({self.shards[shard].n_tokens} tokens); the corpus changed")
+        self.shard, self.offset = shard, offset
 
     def next_batch(self):
         n = self.world * self.B * self.T

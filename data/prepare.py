@@ -1,0 +1,245 @@
+"""Tokenise a corpus into token shards for training (data.kind: bin).
+
+    python data/prepare.py --dataset HuggingFaceFW/fineweb-edu --name sample-10BT --tokenizer gpt2 \\
+        --max_tokens 1000000000 --out data/fineweb
+    python data/prepare.py --dataset roneneldan/TinyStories --out data/tinystories
+    python data/prepare.py --files 'corpus/**/*.txt' --out data/mycorpus --tokenizer cl100k_base
+
+Documents come from a Hugging Face dataset (streamed: nothing is downloaded up front) or from local
+text files (one file = one document). They are tokenised by tiktoken (any encoding by name; GPT-2 by
+default) in parallel worker processes, an end-of-text token after every document, and written as
+token files (data/tokens.py: a header, then uint16 tokens, uint32 when the vocabulary needs it):
+
+    <out>/val_000.bin          the first documents, until --val_tokens tokens (whole documents)
+    <out>/train_000.bin ...    the rest, shards of at most --shard_tokens tokens, ending at document
+                               boundaries (a single longer document gets a shard of its own)
+    <out>/manifest.json        source, tokenizer, the shards written and the documents consumed
+
+The manifest is rewritten atomically after every shard; running the same command again skips the
+documents of the finished shards (re-reading them from the stream, not re-tokenising) and continues.
+"""
+import argparse
+import glob
+import itertools
+import json
+import os
+import sys
+from multiprocessing import Pool
+
+if __name__ == "__main__":  # python data/prepare.py: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from data.tokens import DataError, write_tokens  # noqa: E402
+
+MANIFEST = "manifest.json"
+_ENC = None  # the encoding of a worker process
+
+
+def get_encoding(encoding):
+    """A tiktoken Encoding from a name (gpt2, cl100k_base, o200k_base, ...) or an Encoding object."""
+    if not isinstance(encoding, str):
+        return encoding
+    import tiktoken
+    try:
+        return tiktoken.get_encoding(encoding)
+    except ValueError as e:
+        raise DataError(f"--tokenizer {encoding}: {e}") from None
+
+
+def eot_of(enc):
+    if "<|endoftext|>" not in enc.special_tokens_set:
+        raise DataError(f"tokenizer {enc.name}: has no <|endoftext|> token to separate documents")
+    return enc.encode_single_token("<|endoftext|>")
+
+
+def _init_worker(encoding):
+    global _ENC
+    _ENC = get_encoding(encoding)
+
+
+def _encode_batch(texts):
+    """Worker: texts -> (one array of every document's tokens + eot, per-document token counts, utf-8 bytes)."""
+    eot = eot_of(_ENC)
+    docs = [_ENC.encode_ordinary(t) + [eot] for t in texts]
+    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    n_bytes = np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.uint32, count=int(lengths.sum()))
+    return flat, lengths, n_bytes
+
+
+def _batched(iterable, n):
+    it = iter(iterable)
+    while batch := list(itertools.islice(it, n)):
+        yield batch
+
+
+def _write_json(path, obj):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prepare(docs, out, encoding="gpt2", source=None, max_tokens=None, shard_tokens=100_000_000,
+            val_tokens=1_000_000, workers=None, batch_docs=64, quiet=False):
+    """Tokenise the iterable of texts `docs` into shards under `out`; returns the manifest.
+
+    encoding: a tiktoken name, or an Encoding object (tests build one locally). source: a dict that
+    identifies the corpus; a rerun with the same source resumes, with another one is refused."""
+    enc = get_encoding(encoding)
+    eot, vocab = eot_of(enc), enc.n_vocab
+    name = encoding if isinstance(encoding, str) else enc.name
+    source = dict(source or {})
+    settings = {"source": source, "tokenizer": name, "vocab_size": vocab, "eot_id": eot,
+                "shard_tokens": shard_tokens, "val_tokens": val_tokens}
+    os.makedirs(out, exist_ok=True)
+    mpath = os.path.join(out, MANIFEST)
+    manifest = {**settings, "docs_done": 0, "tokens": 0, "shards": [], "complete": False}
+    if os.path.exists(mpath):
+        with open(mpath) as f:
+            old = json.load(f)
+        for key, value in settings.items():
+            if old.get(key) != value:
+                raise DataError(f"{out}: already holds a corpus prepared with {key}={old.get(key)!r} (now "
+                                f"{value!r}); use another --out or delete {mpath}")
+        manifest = old
+        for shard in manifest["shards"]:
+            if not os.path.exists(os.path.join(out, shard["file"])):
+                raise DataError(f"{out}: {shard['file']} is listed in {MANIFEST} but missing; delete {mpath} "
+                                f"and the shards to prepare again")
+        limit_reached = max_tokens is not None and manifest["tokens"] >= max_tokens
+        if manifest["complete"] or limit_reached:
+            if not quiet:
+                print(f"{out}: already prepared ({manifest['tokens']:,} tokens in {len(manifest['shards'])} shards)")
+            return manifest
+        if not quiet and manifest["shards"]:
+            print(f"{out}: resuming after {len(manifest['shards'])} finished shards "
+                  f"({manifest['docs_done']:,} documents)")
+
+    def n_split(split):
+        return sum(s["file"].startswith(split) for s in manifest["shards"])
+
+    buf, buf_bytes, buf_docs = [], 0, 0
+    split = "val" if val_tokens > 0 and n_split("val") == 0 else "train"
+
+    def flush():
+        nonlocal buf, buf_bytes, buf_docs, split
+        tokens = np.concatenate(buf) if buf else np.zeros(0, dtype=np.uint32)
+        file = f"{split}_{n_split(split):03d}.bin"
+        write_tokens(os.path.join(out, file), tokens, vocab, buf_bytes, eot)
+        manifest["shards"].append({"file": file, "tokens": int(tokens.size), "text_bytes": buf_bytes,
+                                   "docs": buf_docs})
+        manifest["docs_done"] += buf_docs
+        manifest["tokens"] += int(tokens.size)
+        _write_json(mpath, manifest)
+        buf, buf_bytes, buf_docs, split = [], 0, 0, "train"
+
+    def buffered():
+        return sum(b.size for b in buf)
+
+    skip = manifest["docs_done"]
+    batches = _batched(itertools.islice(docs, skip, None), batch_docs)
+    workers = os.cpu_count() if workers is None else workers
+    pool = Pool(workers, initializer=_init_worker, initargs=(encoding,)) if workers > 1 else None
+    if pool is None:
+        _init_worker(enc)
+    results = pool.imap(_encode_batch, batches) if pool else map(_encode_batch, batches)
+    bar = tqdm(total=max_tokens, initial=manifest["tokens"], unit="tok", unit_scale=True, desc=f"tokenise {out}",
+               disable=quiet, dynamic_ncols=True)
+    done = False
+    try:
+        for flat, lengths, n_bytes in results:
+            starts = np.concatenate([[0], np.cumsum(lengths)])
+            for i in range(len(lengths)):
+                doc = flat[starts[i]:starts[i + 1]]
+                limit = val_tokens if split == "val" else shard_tokens
+                if split == "train" and buf and buffered() + doc.size > limit:
+                    flush()  # a train shard ends before the document that would overflow it
+                buf.append(doc)
+                buf_bytes += int(n_bytes[i])
+                buf_docs += 1
+                bar.update(doc.size)
+                if split == "val" and buffered() >= val_tokens:
+                    flush()  # the val shard ends after the document that reaches val_tokens
+                if max_tokens is not None and manifest["tokens"] + buffered() >= max_tokens:
+                    done = True
+                    break
+            if done:
+                break
+        if buf:
+            flush()
+        if not done:
+            manifest["complete"] = True  # the source is exhausted
+        _write_json(mpath, manifest)
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+    if not quiet:
+        n_val = sum(s["tokens"] for s in manifest["shards"] if s["file"].startswith("val"))
+        print(f"{out}: {manifest['tokens']:,} tokens ({n_val:,} val) in {len(manifest['shards'])} shards, "
+              f"vocab {vocab} ({'uint16' if vocab <= 2 ** 16 else 'uint32'}), {manifest['docs_done']:,} documents")
+    return manifest
+
+
+def file_docs(pattern):
+    """The texts of the files matching `pattern` (recursive **), in sorted order."""
+    paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    if not paths:
+        raise DataError(f"--files {pattern}: no files match")
+
+    def read(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    return (read(p) for p in paths)
+
+
+def hub_docs(dataset, name, split, text_field):
+    """Texts streamed from a Hugging Face dataset (no full download)."""
+    from datasets import load_dataset
+    ds = load_dataset(dataset, name, split=split, streaming=True)
+    for row in ds:
+        if text_field not in row:
+            raise DataError(f"{dataset}: rows have no field {text_field!r} (fields: {', '.join(row)}); "
+                            f"pass --text_field")
+        yield row[text_field]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", help="Hugging Face dataset, e.g. HuggingFaceFW/fineweb-edu")
+    src.add_argument("--files", help="glob of local text files, e.g. 'corpus/**/*.txt'")
+    p.add_argument("--name", default=None, help="dataset config name, e.g. sample-10BT")
+    p.add_argument("--split", default="train", help="dataset split to read")
+    p.add_argument("--text_field", default="text")
+    p.add_argument("--tokenizer", default="gpt2", help="tiktoken encoding name (gpt2, cl100k_base, o200k_base)")
+    p.add_argument("--out", required=True, help="output folder (data.dir for data.kind: bin)")
+    p.add_argument("--max_tokens", type=float, default=None, help="stop after about this many tokens")
+    p.add_argument("--shard_tokens", type=float, default=100e6)
+    p.add_argument("--val_tokens", type=float, default=1e6, help="tokens of the first documents kept for val")
+    p.add_argument("--workers", type=int, default=None, help="tokeniser processes (default: all cores)")
+    p.add_argument("--batch_docs", type=int, default=64, help="documents per worker task")
+    a = p.parse_args(argv)
+    try:
+        if a.files:
+            docs, source = file_docs(a.files), {"files": a.files}
+        else:
+            docs = hub_docs(a.dataset, a.name, a.split, a.text_field)
+            source = {"dataset": a.dataset, "name": a.name, "split": a.split, "text_field": a.text_field}
+        prepare(docs, a.out, a.tokenizer, source, max_tokens=None if a.max_tokens is None else int(a.max_tokens),
+                shard_tokens=int(a.shard_tokens), val_tokens=int(a.val_tokens), workers=a.workers,
+                batch_docs=a.batch_docs)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
