@@ -82,14 +82,16 @@ def open_split(folder, split):
 class TokenLoader:
     """Walks the shards in order, handing out [B, T] inputs and next-token targets.
 
-    Every global batch takes world * B * T (+1) consecutive tokens; rank r gets the r-th slice, so
-    the global batch is the same whatever the world size. `state_dict()` is the position
-    (shard, offset): a resumed run continues on exactly the next tokens.
+    A shard is cut into G = world * B equal lanes, one per row of the global batch; batch i reads
+    T (+1) tokens at offset i * T of every lane, so the rows of a batch come from G far-apart places
+    in the corpus (not one file), and each lane is read in order. Rank r takes rows r*B .. r*B+B-1,
+    so the global batch is the same whatever the world size. `state_dict()` is the position
+    (shard, offset in the lanes): a resumed run continues on exactly the next tokens.
     """
 
     def __init__(self, shards, batch_size, seq_len, rank=0, world=1):
         self.shards, self.B, self.T, self.rank, self.world = shards, batch_size, seq_len, rank, world
-        need = world * batch_size * seq_len + 1
+        need = world * batch_size * (seq_len + 1) + 1
         for s in shards:
             if s.n_tokens < need:
                 raise DataError(f"{s.path}: {s.n_tokens} tokens, fewer than one global batch needs ({need}); "
@@ -111,11 +113,14 @@ class TokenLoader:
                             f"{self.shards[shard].path} ({self.shards[shard].n_tokens} tokens); the corpus changed")
         self.shard, self.offset = shard, offset
 
+    def lane_length(self):
+        return (self.shards[self.shard].n_tokens - 1) // (self.world * self.B)
+
     def next_batch(self):
-        n = self.world * self.B * self.T
-        if self.offset + n + 1 > self.shards[self.shard].n_tokens:
+        if self.offset + self.T + 1 > self.lane_length():
             self.shard, self.offset = (self.shard + 1) % len(self.shards), 0
-        start = self.offset + self.rank * self.B * self.T
-        buf = torch.from_numpy(self.shards[self.shard].tokens[start:start + self.B * self.T + 1].astype(np.int64))
-        self.offset += n
-        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+        rows = np.arange(self.rank * self.B, (self.rank + 1) * self.B) * self.lane_length() + self.offset
+        index = rows[:, None] + np.arange(self.T + 1)[None, :]                     # [B, T+1]
+        buf = torch.from_numpy(self.shards[self.shard].tokens[index].astype(np.int64))
+        self.offset += self.T
+        return buf[:, :-1], buf[:, 1:]

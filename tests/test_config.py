@@ -96,10 +96,13 @@ def test_pattern_is_cycled_to_n_layer():
 
 
 def test_dotted_overrides():
-    cfg = load_config(None, ["--train.max_steps=7", "--model.n_layer=4", "--model.layers.local.window=null",
-                             "--train.lr=1e-3", "--model.pattern=[global]"])
+    cfg = load_config(os.path.join(ROOT, "configs", "swa_sinks.yaml"),
+                      ["--train.max_steps=7", "--model.n_layer=4", "--model.layers.local.window=null",
+                       "--train.lr=1e-3", "--model.pattern=[global]"])
     assert cfg.train.max_steps == 7 and cfg.model.n_layer == 4 and cfg.train.lr == 1e-3
     assert cfg.model.pattern == ["global"] and cfg.model.layers["local"].window is None
+    default = load_config(None, ["--model.n_layer=2", "--train.seq_len=64"])  # the embedded default
+    assert default.model.n_layer == 2 and default.train.seq_len == 64 and default.data.kind == "stdlib"
     with pytest.raises(ConfigError, match="is not a section"):
         apply_override({"train": {"lr": 1}}, "--train.lr.x=3")
     with pytest.raises(ConfigError, match="unknown key"):
@@ -116,7 +119,7 @@ def test_every_shipped_config_loads():
 @pytest.mark.parametrize("args,message", [
     (["--model.n_layer=0"], "model.n_layer: must be an integer >= 1"),
     (["missing.yaml"], "missing.yaml: config file not found"),
-    (["--model.layers.local.kind=rnn"], "model.layers.local.kind: must be one of"),
+    (["--model.layers.kda.kind=rnn"], "model.layers.kda.kind: must be one of"),
 ])
 def test_entry_point_exits_2_with_one_line(args, message, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True,

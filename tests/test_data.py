@@ -25,8 +25,10 @@ def test_token_file_roundtrip_and_loader_position(tmp_path):
     f = TokenFile(str(tmp_path / "train_000.bin"))
     assert f.vocab_size == 300 and f.n_tokens == 1000 and np.array_equal(f.tokens, tokens)
     loader = TokenLoader([f], batch_size=2, seq_len=8)
-    x, y = loader.next_batch()
-    assert torch.equal(x.flatten(), torch.arange(16)) and torch.equal(y.flatten(), torch.arange(1, 17))
+    x, y = loader.next_batch()  # two lanes of (1000 - 1) // 2 = 499 tokens: rows start at 0 and 499
+    positions = torch.stack([torch.arange(8), torch.arange(499, 507)])
+    assert torch.equal(x, positions % 300) and torch.equal(y, (positions + 1) % 300)
+    assert torch.equal(loader.next_batch()[0][:, 0], torch.tensor([8, 507 % 300]))  # each lane read in order
     state = loader.state_dict()
     x2, _ = loader.next_batch()
     loader.load_state_dict(state)
