@@ -271,10 +271,6 @@ def _fmt(x, digits=3):
     return f"{x:.{digits}g}" if abs(x) < 1 else f"{x:.{digits + 1}g}"
 
 
-def ctx_label(L):
-    return f"{L // 1048576}M" if L >= 1048576 else f"{L // 1024}k"
-
-
 def collect(sweep):
     """{variant: [result per finished seed]}."""
     out = {}
@@ -302,7 +298,7 @@ def results_table(sweep, results):
             if k != "step" and k not in final_cols:
                 final_cols.append(k)
     head = ["variant", "seeds", "params", "train tok/s"] + [f"final {k}" for k in final_cols] + \
-        [f"{n} {k}" for n, k in eval_cols] + [f"cache @{ctx_label(L)}" for L in CONTEXTS] + ["decode ms/tok"]
+        [f"{n} {k}" for n, k in eval_cols] + [f"cache @{cost.ctx_label(L)}" for L in CONTEXTS] + ["decode ms/tok"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, rs in results.items():
         cfg = config_for(sweep, variant, rs[0]["seed"])

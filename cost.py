@@ -224,13 +224,18 @@ def human(x, unit=""):
     return f"{x:.3g}{unit}"
 
 
+def ctx_label(L):
+    """4096 -> 4k, 1048576 -> 1M."""
+    return f"{L // 1048576}M" if L >= 1048576 and L % 1048576 == 0 else f"{L // 1024}k" if L % 1024 == 0 else str(L)
+
+
 def report(model_cfg, seq_len, ctx, dtype_bytes=2):
     """The cost tables as markdown text."""
     rows = layer_table(model_cfg, seq_len, ctx, dtype_bytes)
     at = {L: layer_table(model_cfg, seq_len, L, dtype_bytes) for L in CONTEXTS}
     head = ["layer kind", "n", "params", f"train FLOPs/tok @T={seq_len}", "cache B/tok"] + \
-        [f"cache @{human(L)}" for L in CONTEXTS] + \
-        [f"decode FLOPs @{human(ctx)}", f"decode bytes @{human(ctx)}", f"H200 µs @{human(ctx)}"]
+        [f"cache @{ctx_label(L)}" for L in CONTEXTS] + \
+        [f"decode FLOPs @{ctx_label(ctx)}", f"decode bytes @{ctx_label(ctx)}", f"H200 µs @{ctx_label(ctx)}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(rows):
         cells = [r["name"], str(r["n"]), human(r["params"]), human(r["train_flops"]),
@@ -244,7 +249,7 @@ def report(model_cfg, seq_len, ctx, dtype_bytes=2):
         t = at[L][-1]
         ai = t["decode_flops"] / t["decode_bytes"]
         bound = "memory" if ai < H200_FLOPS / H200_BW else "compute"
-        lines.append(f"| {human(L)} | {human(t['decode_flops'])} | {human(t['decode_bytes'], 'B')} | {ai:.3g} | "
+        lines.append(f"| {ctx_label(L)} | {human(t['decode_flops'])} | {human(t['decode_bytes'], 'B')} | {ai:.3g} | "
                      f"{t['decode_s'] * 1e6:.3g} | {bound} |")
     return "\n".join(lines)
 

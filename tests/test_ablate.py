@@ -65,10 +65,17 @@ def run_cli(*args):
     (SWEEP.replace("n_trials: 2", "n_trails: 2"), "evals.needle.n_trails: unknown option"),
     (SWEEP.replace("seeds: [0]", "seeds: zero"), "seeds: must be a non-empty list"),
 ])
-def test_bad_sweep_files_are_one_line_errors(tmp_path, body, message):
-    r = run_cli(write_sweep(tmp_path, body), "--dry_run")
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+def test_bad_sweep_files_are_one_line_errors(tmp_path, capsys, body, message):
+    assert ablate.main([write_sweep(tmp_path, body), "--dry_run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_cli_exit_code_and_help(tmp_path):
+    r = run_cli(write_sweep(tmp_path, SWEEP + "colour: red\n"), "--dry_run")
+    assert r.returncode == 2 and "colour: unknown key" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("--help")
+    assert r.returncode == 0 and "sweep file" in r.stdout
 
 
 def test_sweep_runs_resumes_and_reports(tmp_path):
@@ -95,10 +102,4 @@ def test_sweep_runs_resumes_and_reports(tmp_path):
     assert "| attn | 1 |" in text and "| hybrid | 1 |" in text and "mqar acc" in text and "cache @1M" in text
     for png in ("loss_curves.png", "acc_by_distance.png", "cache_bytes.png", "loss_by_position.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
-    r = run_cli(sweep["path"], "--report")
-    assert r.returncode == 0 and "results.md" in r.stdout
-
-
-def test_help():
-    r = run_cli("--help")
-    assert r.returncode == 0 and "sweep file" in r.stdout
+    assert ablate.main([sweep["path"], "--report"]) == 0
