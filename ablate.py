@@ -23,7 +23,8 @@ A sweep file (YAML):
 
 Each run trains in-process into <out_dir>/<variant>-s<seed>/ and ends with result.json, written
 atomically. A rerun skips runs with a result.json and resumes half-finished runs from their last
-checkpoint (train.py's resume), so an interrupted sweep continues where it stopped. The report is
+checkpoint (train.py's resume), so an interrupted sweep continues where it stopped. A run being
+trained by another process (`--only` subsets that overlap) is skipped. The report is
 <out_dir>/results.md (one row per variant, seeds averaged) and PNG plots: loss curves, MQAR accuracy
 by recall distance, cache bytes vs context (log-log), loss by position.
 """
@@ -201,10 +202,8 @@ def decode_ms_per_token(model, ctx, n=32):
 
 def run_one(sweep, variant, seed, stop_at=None, log=print):
     """Train (or resume) one run, evaluate it and write result.json; returns the result, or None if
-    stopped early (stop_at: simulate an interruption after that many steps)."""
-    import torch
-    from sample import load_model
-    from train import latest_checkpoint, train
+    stopped early (stop_at: simulate an interruption after that many steps) or running elsewhere (a
+    `.running` file in the run folder holds the pid of the process running it)."""
     folder = run_dir(sweep, variant, seed)
     done = os.path.join(folder, "result.json")
     if os.path.isfile(done):
@@ -212,6 +211,46 @@ def run_one(sweep, variant, seed, stop_at=None, log=print):
             return json.load(f)
     cfg = config_for(sweep, variant, seed)
     os.makedirs(folder, exist_ok=True)
+    if not _lock(folder):
+        log(f"[{variant}-s{seed}] skipped: another process is running it")
+        return None
+    try:
+        return _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log)
+    finally:
+        os.remove(os.path.join(folder, ".running"))
+
+
+def _lock(folder):
+    """Claim a run folder for this process (a file holding our pid); a dead holder's claim is taken."""
+    path = os.path.join(folder, ".running")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            return True
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    pid = int(f.read() or 0)
+                os.kill(pid, 0)
+                if pid != os.getpid():
+                    return False
+            except PermissionError:  # alive, another user's
+                return False
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                pass
+            try:
+                os.remove(path)  # stale: its process is gone
+            except FileNotFoundError:
+                pass
+    return False
+
+
+def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
+    import torch
+    from sample import load_model
+    from train import latest_checkpoint, train
     ckpt = latest_checkpoint(folder)
     log(f"[{variant}-s{seed}] " + (f"resuming from {os.path.basename(ckpt)}" if ckpt else "training") +
         f" ({' '.join(sweep['variants'][variant]) or 'base config'})")

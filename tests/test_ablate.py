@@ -93,6 +93,15 @@ def test_sweep_runs_resumes_and_reports(tmp_path):
     assert {"mqar", "needle", "length", "streaming"} <= set(result["evals"])
     steps = [r["step"] for r in ablate.read_metrics(str(folder)) if "loss" in r]
     assert steps == [4, 8, 12]                       # resumed lines replace the re-logged ones
+    # a run claimed by a live process is left alone; a stale claim is taken over
+    hyb = tmp_path / "out" / "hybrid-s0"
+    (hyb / "result.json").rename(hyb / "r.json")
+    (hyb / ".running").write_text("1")                       # pid 1 is alive
+    assert ablate.run_one(sweep, "hybrid", 0, log=logs.append) is None and "another process" in logs[-1]
+    (hyb / ".running").write_text("999999999")               # no such process
+    (hyb / "r.json").rename(hyb / "result.json")
+    assert ablate._lock(str(hyb)) and not (hyb / ".running").read_text() == "999999999"
+    os.remove(hyb / ".running")
     # a finished sweep is skipped entirely
     logs.clear()
     ablate.run_sweep(sweep, log=logs.append)
