@@ -385,11 +385,12 @@ def make_plots(sweep, results):
     # MQAR accuracy by recall distance
     if any("by_distance" in r["evals"].get("mqar", {}) for rs in results.values() for r in rs):
         fig, ax = plt.subplots(figsize=(6, 3.8))
-        for variant, rs in results.items():
+        markers = "osD^vP*Xh<>"
+        for i, (variant, rs) in enumerate(results.items()):
             rows = rs[0]["evals"].get("mqar", {}).get("by_distance")
-            if rows:
-                ax.plot([math.sqrt(r["lo"] * r["hi"]) for r in rows], [r["acc"] for r in rows], marker="o",
-                        label=variant)
+            if rows:  # shrinking markers keep overlapping lines (all at 1.0, say) visible
+                ax.plot([math.sqrt(r["lo"] * r["hi"]) for r in rows], [r["acc"] for r in rows],
+                        marker=markers[i % len(markers)], markersize=max(3, 10 - i), label=variant)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("distance key -> query (tokens, power-of-two buckets)")
         ax.set_ylabel("accuracy")
