@@ -1,127 +1,208 @@
-"""Training cost model: FLOPs per token, peak FLOP/s per device, model-FLOPs utilisation (MFU).
+"""Cost model of a config: parameters, training FLOPs, decode cache, decode FLOPs and bytes, and a
+roofline estimate of decode time on an H200 (SPEC 6), per layer kind and in total.
 
-    from cost import train_flops_per_token, peak_flops, mfu
-    f = train_flops_per_token(cfg.model, seq_len)      # FLOPs of one trained token (forward + backward)
-    mfu(f, tokens_per_s, n_devices, peak_flops(device)) # None on CPU or an unknown GPU
+    python cost.py configs/kimi_linear.yaml                 # the table
+    python cost.py configs/default.yaml --seq_len 4096 --ctx 131072 --dtype_bytes 2
 
-One trained token costs (forward + backward = 3 x forward; a multiply-add is 2 FLOPs):
-
-    6 * N_matmul  +  sum over layers of mixer_flops(layer)
-
-N_matmul: the parameters that multiply activations: every parameter of >= 2 dims inside the blocks
-(Linear weights; a depthwise short conv's [C, 1, w] weight is C * w multiply-adds per token too) plus
-the output head (vocab * d_model; the tied embedding lookup itself is not a matmul). Norm weights,
-biases, sinks and gate scalars are elementwise and left out.
-
-mixer_flops: the work that is not a weight matmul (scores against keys, the recurrent state), per
-token, for training, at sequence length T. ctx(W) = mean over t = 1..T of min(t, W) is the average
-number of keys a causal query sees (W = T for global attention: ctx = (T + 1) / 2).
-
-    attn   6 * Hq * (D + D) * ctx(window or T)             QK^T and PV, Hq query heads of dim D
-    mla    6 * H * ((qk_nope + qk_rope) + v_head) * ctx(T)  expanded form (training and prefill)
-    mla + dsa
-           main: 6 * H * ((qk_nope + qk_rope) + v_head) * ctx(top_k) (stage sparse; ctx(T) in
-           dense_warmup); indexer: 6 * H_I * d_I * ctx(T) (scores of every causal key, trained by L_I)
-    kda, gdn (chunked delta rule, chunk C = min(64, T), per head, key dim K, value dim V), forward:
-           A = (K e^G)(K e^-G)^T        2CK        T = (I + A)^-1 (forward substitution) 2C^2/3
-           W = T(beta K e^G)            2CK        U = T(beta V)                          2CV
-           V_new = U - W S              2KV        O = (Q e^G) S                         2KV
-           P = tril(Q K^T e^(G_i-G_j))  2CK        O += P V_new                          2CV
-           S <- S + (K e^..)^T V_new    2KV
-           = 6KV + 6CK + 4CV + 2C^2/3, times 3 for training, times H
-    linear (plain linear attention, chunked): forward 4KV + 2CK + 2CV (QS, QK^T, PV, K^T V), x 3, x H
-    other kinds: parameters only (0 here; their matrices are in N_matmul)
-
-This counts the useful work of the math, not what a kernel executes (masked halves of causal
-blocks, recomputation in the backward are not counted), which is the MFU convention (PaLM, App. B).
+Everything is counted from the math, per token, batch 1, no kernel overheads:
+  * a matmul x[n] @ W[n, m] costs 2nm FLOPs; training = 3 x forward (backward = 2 x forward);
+  * softmax attention: q.k and p.v cost 2*Hq*Dk and 2*Hq*Dv per key seen; in training a causal
+    query t sees min(t+1, W) keys (only the unmasked half is counted);
+  * chunked delta rule (chunk C = 64) per head and token: the state terms W S, q S and k^T V_new
+    (2KV each) plus the intra-chunk terms: k k^T and q k^T (C*K each, causal halves), the
+    triangular solve (C^2/3), T (beta k) and T (beta v) (C*K, C*V), A_qk V_new (C*V); linear
+    attention has only q S, k^T v and the q k^T, A v terms. Decode: 7KV (decay, S^T k, rank-1
+    update, S^T q) for the delta rule, 4KV for linear attention;
+  * MLA decodes in the absorbed form (SPEC 2): q_nope -> latent (2*H*nope*d_c), scores over the
+    latent + rope key (2*H*(d_c+rope) per key), output in latent space (2*H*d_c per key), W_UV
+    (2*H*d_c*v); W_UKV is not applied per token. DSA: the indexer scores every key
+    (2*H_I*d_I per key) and the main attention reads only min(top_k, L) keys;
+  * decode bytes = every weight read once (dtype_bytes) + the cache read (attention) or the state
+    read and written (delta rule, fp32); roofline time = max(FLOPs / peak, bytes / bandwidth).
+Cache bytes (SPEC 6): attention L_eff*2*Hkv*D (L_eff = min(L, W)); MLA L*(d_c + rope) (+ L*d_I for
+the DSA indexer); delta rule H*K*V*4 + conv state (conv_size-1)*(2HK+HV), independent of L.
 """
+import argparse
 import math
+import sys
+from types import SimpleNamespace
 
+H200_FLOPS = 989e12       # dense bf16 FLOP/s
+H200_BW = 4.8e12          # HBM3e bytes/s
 # Dense bf16 tensor-core peak per device (no sparsity), matched against torch.cuda.get_device_name.
-PEAK_FLOPS = {
-    "H200": 989e12,   # also GH200
-    "H100": 989e12,   # SXM; the PCIe card is lower (756e12)
-    "A100": 312e12,
-    "B200": 2250e12,
-}
-
-DELTA_RULE_CHUNK = 64
+PEAK_FLOPS = {"H200": H200_FLOPS, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+CONTEXTS = (4096, 32768, 131072, 1048576)
+DELTA_CHUNK = 64
 
 
-def causal_context(seq_len, window=None):
-    """Mean over query positions t = 1..T of the number of keys it sees, min(t, window)."""
-    T = seq_len
-    if window is None or window >= T:
-        return (T + 1) / 2
-    W = window
+def _get(obj, key, default=None):
+    """Attribute or dict entry (MLA's `dsa` block may be either)."""
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def keys_seen_avg(T, window=None):
+    """Mean number of keys a causal query sees over positions 0..T-1 with an optional window."""
+    W = T if window is None else min(window, T)
     return (W * (W + 1) / 2 + (T - W) * W) / T
 
 
-def _get(cfg, key, default=None):
-    """A field of a config dataclass or dict (sub-blocks like `dsa:` may be either)."""
-    if cfg is None:
-        return default
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
+# ----------------------------------------------------------------------------------------------
+# per mixer: parameters (matmul part and the rest), cache, FLOPs
 
 
-def mixer_flops(layer_cfg, seq_len):
-    """Training FLOPs per token of one mixer beyond its weight matmuls (see the module docstring)."""
-    kind, T = layer_cfg.kind, seq_len
+def mixer_cost(lc, d, seq_len, ctx, dtype_bytes=2):
+    """Costs of one mixer layer with config `lc` in a model of width d.
+
+    Returns dict: params, matmul_params (weights used as matmuls per token in training),
+    train_flops (per token, forward + backward, sequence length seq_len), cache_bytes_per_token,
+    cache_bytes (at context ctx), decode_flops, decode_bytes (one new token at context ctx)."""
+    kind = lc.kind
     if kind == "attn":
-        D = layer_cfg.head_dim
-        return 6 * layer_cfg.n_heads * (D + D) * causal_context(T, layer_cfg.window)
-    if kind == "mla":
-        H = layer_cfg.n_heads
-        qk = _get(layer_cfg, "qk_nope_dim", 0) + _get(layer_cfg, "qk_rope_dim", 0)
-        v = _get(layer_cfg, "v_head_dim", 0)
-        dsa = _get(layer_cfg, "dsa")
-        if not dsa:
-            return 6 * H * (qk + v) * causal_context(T)
-        sparse = _get(dsa, "stage", "sparse") != "dense_warmup"
-        main = 6 * H * (qk + v) * causal_context(T, _get(dsa, "top_k") if sparse else None)
-        n_idx = _get(dsa, "n_heads", _get(dsa, "index_n_heads", 4))
-        d_idx = _get(dsa, "head_dim", _get(dsa, "index_head_dim", 64))
-        return main + 6 * n_idx * d_idx * causal_context(T)
+        Hq, Hkv, D, W = lc.n_heads, lc.n_kv_heads, lc.head_dim, lc.window
+        mm = d * Hq * D + 2 * d * Hkv * D + Hq * D * d
+        params = mm + (2 * D if lc.qk_norm else 0) + (Hq if lc.sinks else 0)
+        attn_fwd = 4 * Hq * D * keys_seen_avg(seq_len, W)
+        L_eff = ctx if W is None else min(ctx, W)
+        per_tok = 2 * Hkv * D * dtype_bytes
+        cache = L_eff * per_tok
+        return dict(params=params, train_flops=3 * (2 * mm + attn_fwd), cache_bytes_per_token=0 if W else per_tok,
+                    cache_bytes=cache, decode_flops=2 * mm + 4 * Hq * D * L_eff,
+                    decode_bytes=params * dtype_bytes + cache)
     if kind in ("kda", "gdn", "linear"):
-        H, K = layer_cfg.n_heads, _get(layer_cfg, "head_dim")
-        V = _get(layer_cfg, "v_head_dim") or K
-        C = min(_get(layer_cfg, "chunk_size") or DELTA_RULE_CHUNK, T)
+        H, K, V = lc.n_heads, lc.head_dim, lc.v_head_dim
+        ch = 2 * H * K + H * V                          # q, k, v channels
+        mm = d * ch
+        other = ch * lc.conv_size
+        if kind != "linear":
+            mm += d * H                                 # beta
+            mm += (d * K + K * H * K) if kind == "kda" else d * H          # gate (low rank for kda)
+            other += H + (H * K if kind == "kda" else H)                    # A_log, dt_bias
+        if lc.output_gate:
+            mm += (d * V + V * H * V) if kind == "kda" else d * H * V
+            other += V                                  # o_norm
+        mm += H * V * d                                 # wo
+        C = min(DELTA_CHUNK, seq_len)
         if kind == "linear":
-            fwd = 4 * K * V + 2 * C * K + 2 * C * V
+            head_fwd = 4 * K * V + C * K + C * V
+            head_dec = 4 * K * V
         else:
-            fwd = 6 * K * V + 6 * C * K + 4 * C * V + 2 * C * C / 3
-        return 3 * H * fwd
-    return 0.0
+            head_fwd = 6 * K * V + C * (3 * K + 2 * V) + C * C / 3
+            head_dec = 7 * K * V
+        conv_flops = 2 * lc.conv_size * ch
+        state = H * K * V * 4
+        conv_state = max(lc.conv_size - 1, 0) * ch * dtype_bytes
+        params = mm + other
+        return dict(params=params, train_flops=3 * (2 * mm + conv_flops + H * head_fwd), cache_bytes_per_token=0,
+                    cache_bytes=state + conv_state, decode_flops=2 * mm + conv_flops + H * head_dec,
+                    decode_bytes=params * dtype_bytes + 2 * state + conv_state)
+    if kind == "mla":
+        return _mla_cost(lc, d, seq_len, ctx, dtype_bytes)
+    raise ValueError(f"cost: unknown mixer kind {kind!r}")
 
 
-def _matrix_params(module):
-    return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
+def _mla_cost(lc, d, seq_len, ctx, dtype_bytes):
+    H, r, dc = lc.n_heads, _get(lc, "q_lora_rank") or 0, lc.kv_lora_rank
+    nope, v = lc.qk_nope_dim, lc.v_head_dim
+    rope = lc.qk_rope_dim if _get(lc, "rope", True) else 0
+    q_mm = (d * r + r * H * (nope + rope)) if r else d * H * (nope + rope)
+    dkv_mm = d * (dc + rope)
+    ukv_mm = dc * H * (nope + v)
+    o_mm = H * v * d
+    norms = (r if r else 0) + dc
+    mm = q_mm + dkv_mm + ukv_mm + o_mm
+    params = mm + norms
+    dsa = _get(lc, "dsa")
+    per_tok = (dc + rope) * dtype_bytes
+    top_k = None
+    idx_fwd = idx_dec = idx_mm = idx_cache = 0
+    if dsa is not None:
+        HI, dI, top_k = _get(dsa, "n_heads"), _get(dsa, "head_dim"), _get(dsa, "top_k")
+        idx_mm = (r if r else d) * HI * dI + d * dI + d * HI      # q_I, k_I, head weights
+        params += idx_mm + 2 * dI                                   # + LayerNorm on k_I
+        idx_fwd = 2 * idx_mm + 2 * HI * dI * keys_seen_avg(seq_len)
+        idx_cache = ctx * dI * dtype_bytes
+        idx_dec = 2 * idx_mm + 2 * HI * dI * ctx
+    # training: the expanded form; with DSA each query attends to at most top_k keys
+    attn_fwd = 2 * H * (nope + rope + v) * keys_seen_avg(seq_len, top_k)
+    train = 3 * (2 * mm + attn_fwd + idx_fwd)
+    # decode: the absorbed form over the latent cache
+    n_sel = ctx if top_k is None else min(top_k, ctx)
+    dec = 2 * (q_mm + dkv_mm + o_mm) + 2 * H * nope * dc + 2 * H * dc * v \
+        + 2 * H * (dc + rope) * n_sel + 2 * H * dc * n_sel + idx_dec
+    cache = ctx * per_tok + idx_cache
+    read = n_sel * per_tok + idx_cache
+    return dict(params=params, train_flops=train, cache_bytes_per_token=per_tok + (dI * dtype_bytes if dsa else 0),
+                cache_bytes=cache, decode_flops=dec, decode_bytes=params * dtype_bytes + read)
 
 
-def layer_costs(model_cfg, seq_len):
-    """Per layer: {'kind', 'matmul_params', 'mixer_flops', 'flops'} (training FLOPs per token)."""
-    import torch
+# ----------------------------------------------------------------------------------------------
+# whole model
 
-    from model import Block
-    out = []
-    for c in model_cfg.layer_configs():
-        try:
-            with torch.device("meta"):  # shapes only, no memory, no init cost
-                block = Block(c, model_cfg)
-        except Exception:  # a mixer whose constructor needs real tensors
-            block = Block(c, model_cfg)
-        n = _matrix_params(block)
-        extra = mixer_flops(c, seq_len)
-        out.append({"kind": c.kind, "matmul_params": n, "mixer_flops": extra, "flops": 6 * n + extra})
-    return out
+
+def _model_parts(model_cfg):
+    """(d, vocab, hidden, [layer configs]) from a ModelConfig or a namespace with the same fields."""
+    if hasattr(model_cfg, "layer_configs"):
+        layers = model_cfg.layer_configs()
+    else:
+        pat = model_cfg.pattern
+        layers = [model_cfg.layers[pat[i % len(pat)]] for i in range(model_cfg.n_layer)]
+    layers = [SimpleNamespace(**lc) if isinstance(lc, dict) else lc for lc in layers]
+    hidden = _get(model_cfg.mlp, "hidden")
+    return model_cfg.d_model, model_cfg.vocab_size, hidden, layers
+
+
+def _dense_cost(d, vocab, hidden, n_layer, dtype_bytes):
+    """Everything outside the mixers: embedding (tied head), SwiGLU MLPs, norms."""
+    mlp = 3 * d * hidden * n_layer
+    params = vocab * d + mlp + (2 * n_layer + 1) * d
+    mm = mlp + vocab * d                                # the head is a matmul, the lookup is not
+    return dict(params=params, train_flops=3 * 2 * mm, cache_bytes_per_token=0, cache_bytes=0,
+                decode_flops=2 * mm, decode_bytes=params * dtype_bytes)
+
+
+def layer_table(model_cfg, seq_len, ctx, dtype_bytes=2):
+    """Rows per layer kind (grouped by identical config) + 'dense' + 'total': name, n, and the
+    mixer_cost fields summed over the layers of that kind."""
+    d, vocab, hidden, layers = _model_parts(model_cfg)
+    names = {}
+    if hasattr(model_cfg, "pattern"):
+        pat = model_cfg.pattern
+        for i in range(len(layers)):
+            names.setdefault(pat[i % len(pat)], []).append(layers[i])
+    else:
+        for lc in layers:
+            names.setdefault(lc.kind, []).append(lc)
+    rows = []
+    for name, lcs in names.items():
+        c = mixer_cost(lcs[0], d, seq_len, ctx, dtype_bytes)
+        rows.append({"name": f"{name} ({lcs[0].kind})", "n": len(lcs), **{k: v * len(lcs) for k, v in c.items()}})
+    rows.append({"name": "embed+mlp+norms", "n": len(layers), **_dense_cost(d, vocab, hidden, len(layers), dtype_bytes)})
+    total = {"name": "total", "n": len(layers)}
+    for key in rows[0]:
+        if key not in ("name", "n"):
+            total[key] = sum(r[key] for r in rows)
+    rows.append(total)
+    for r in rows:
+        r["decode_s"] = roofline(r["decode_flops"], r["decode_bytes"])
+    return rows
+
+
+def roofline(flops, nbytes, peak=H200_FLOPS, bw=H200_BW):
+    """Time of one decode step on an H200: max(compute time, memory time)."""
+    return max(flops / peak, nbytes / bw)
+
+
+def num_params(model_cfg):
+    return layer_table(model_cfg, 1, 1)[-1]["params"]
 
 
 def train_flops_per_token(model_cfg, seq_len):
-    """FLOPs to train on one token (forward + backward) of a sequence of seq_len tokens."""
-    head = model_cfg.vocab_size * model_cfg.d_model
-    return 6 * head + sum(layer["flops"] for layer in layer_costs(model_cfg, seq_len))
+    """Training FLOPs (forward + backward) per token at sequence length seq_len."""
+    return layer_table(model_cfg, seq_len, 1)[-1]["train_flops"]
 
 
 def peak_flops(device):
@@ -131,14 +212,94 @@ def peak_flops(device):
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_FLOPS.items():
-        if key in name:
-            return value
-    return None
+    return next((value for key, value in PEAK_FLOPS.items() if key in name), None)
 
 
 def mfu(flops_per_token, tokens_per_s, n_devices, peak):
-    """Model-FLOPs utilisation in [0, 1], or None without a known peak."""
+    """Model-FLOPs utilisation in [0, 1] (train_flops_per_token * tokens/s / peak), None without a peak."""
     if not peak or not math.isfinite(tokens_per_s):
         return None
     return flops_per_token * tokens_per_s / (peak * n_devices)
+
+
+def cache_bytes(model_cfg, ctx, dtype_bytes=2):
+    """Decode cache bytes of the whole model (batch 1) at context ctx."""
+    return layer_table(model_cfg, 1, ctx, dtype_bytes)[-1]["cache_bytes"]
+
+
+def decode_cost(model_cfg, ctx, dtype_bytes=2):
+    """(FLOPs, bytes, roofline seconds) of decoding one token at context ctx, batch 1."""
+    t = layer_table(model_cfg, 1, ctx, dtype_bytes)[-1]
+    return t["decode_flops"], t["decode_bytes"], t["decode_s"]
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+
+
+def human(x, unit=""):
+    for div, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{suffix}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def ctx_label(L):
+    """4096 -> 4k, 1048576 -> 1M."""
+    return f"{L // 1048576}M" if L >= 1048576 and L % 1048576 == 0 else f"{L // 1024}k" if L % 1024 == 0 else str(L)
+
+
+def report(model_cfg, seq_len, ctx, dtype_bytes=2):
+    """The cost tables as markdown text."""
+    rows = layer_table(model_cfg, seq_len, ctx, dtype_bytes)
+    at = {L: layer_table(model_cfg, seq_len, L, dtype_bytes) for L in CONTEXTS}
+    head = ["layer kind", "n", "params", f"train FLOPs/tok @T={seq_len}", "cache B/tok"] + \
+        [f"cache @{ctx_label(L)}" for L in CONTEXTS] + \
+        [f"decode FLOPs @{ctx_label(ctx)}", f"decode bytes @{ctx_label(ctx)}", f"H200 µs @{ctx_label(ctx)}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, r in enumerate(rows):
+        cells = [r["name"], str(r["n"]), human(r["params"]), human(r["train_flops"]),
+                 human(r["cache_bytes_per_token"], "B") if r["cache_bytes_per_token"] else "0 (const)"]
+        cells += [human(at[L][i]["cache_bytes"], "B") for L in CONTEXTS]
+        cells += [human(r["decode_flops"]), human(r["decode_bytes"], "B"), f"{r['decode_s'] * 1e6:.3g}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Decode of one token, batch 1, whole model (H200: 989 TFLOP/s bf16, 4.8 TB/s):", "",
+              "| context | FLOPs | bytes | FLOP/byte | roofline µs | bound |", "|---|---|---|---|---|---|"]
+    for L in CONTEXTS:
+        t = at[L][-1]
+        ai = t["decode_flops"] / t["decode_bytes"]
+        bound = "memory" if ai < H200_FLOPS / H200_BW else "compute"
+        lines.append(f"| {ctx_label(L)} | {human(t['decode_flops'])} | {human(t['decode_bytes'], 'B')} | {ai:.3g} | "
+                     f"{t['decode_s'] * 1e6:.3g} | {bound} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="a YAML config (configs/x.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. --model.n_layer=4")
+    p.add_argument("--seq_len", type=int, default=None, help="training sequence length (default: the config's)")
+    p.add_argument("--ctx", type=int, default=32768, help="context for the per-layer decode columns")
+    p.add_argument("--dtype_bytes", type=int, default=2, help="bytes per weight / cache element (2 = bf16)")
+    args, extra = p.parse_known_args(argv)
+    from config import load_config
+    from model import ConfigError
+    overrides = list(args.overrides) + extra
+    try:
+        bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
+        if bad:
+            raise ConfigError(f"{bad[0]}: overrides look like --section.key=value")
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    seq_len = args.seq_len or cfg.train.seq_len
+    print(f"{args.config}: {human(num_params(cfg.model))} parameters, "
+          f"{human(train_flops_per_token(cfg.model, seq_len))} training FLOPs/token at seq_len {seq_len}, "
+          f"{args.dtype_bytes}-byte weights and cache\n")
+    print(report(cfg.model, seq_len, args.ctx, args.dtype_bytes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

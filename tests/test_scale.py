@@ -15,7 +15,7 @@ import torch
 
 import train as train_mod
 from config import ROOT, from_raw
-from cost import causal_context, train_flops_per_token
+from cost import keys_seen_avg, train_flops_per_token
 from data.prepare import file_docs, prepare
 from data.tokens import DataError, TokenFile, TokenLoader, open_split, write_tokens
 from train import latest_checkpoint, load_checkpoint, train
@@ -287,7 +287,7 @@ def test_cost_of_a_gqa_model_by_hand():
     ctx_global = sum(range(1, T + 1)) / T                          # 16.5
     ctx_local = sum(min(t, 8) for t in range(1, T + 1)) / T        # 7.125
     attn = 6 * 4 * (16 + 16) * (ctx_global + ctx_local)
-    assert causal_context(T) == ctx_global and causal_context(T, 8) == ctx_local
+    assert keys_seen_avg(T) == ctx_global and keys_seen_avg(T, 8) == ctx_local
     assert train_flops_per_token(cfg, T) == 6 * n_matmul + attn == 498912
 
 

@@ -1,0 +1,491 @@
+"""Config-driven ablation sweeps: train every variant x seed, evaluate, tabulate, plot.
+
+    python ablate.py sweeps/mqar.yaml              # run (or resume) the sweep, then write the report
+    python ablate.py sweeps/mqar.yaml --report     # only collect finished runs into results.md + plots
+    python ablate.py sweeps/mqar.yaml --dry_run    # check the sweep file and print the runs
+    python ablate.py sweeps/mqar.yaml --only attn,kda   # a subset (e.g. two processes), then --report
+
+A sweep file (YAML):
+
+    base: sweeps/mqar_base.yaml          # the base config (path relative to the sweep file or repo root)
+    out_dir: runs/mqar                   # the sweep folder
+    seeds: [0, 1]                        # every variant runs once per seed (sets train.seed)
+    overrides: [--train.max_steps=1500]  # applied to every variant (optional)
+    variants:                            # name -> dotted overrides ({} = the base as is), as a
+      attn: {}                           #   mapping of dotted keys to values, or a list of strings
+      swa32: {model.layers.attn.window: 32}
+      kda: ["--model.pattern=[kda]", --model.layers.kda.n_heads=2]
+    evals:                               # eval name -> options (see evals.py); {} = defaults
+      mqar: {n_batches: 8}
+      needle: {factors: [1, 2, 4]}
+    threads: 1                           # torch threads (1 is fastest on a shared machine)
+    decode_ctx: 256                      # context at which decode ms/token is measured (CPU)
+
+Each run trains in-process into <out_dir>/<variant>-s<seed>/ and ends with result.json, written
+atomically. A rerun skips runs with a result.json and resumes half-finished runs from their last
+checkpoint (train.py's resume), so an interrupted sweep continues where it stopped. A run being
+trained by another process (`--only` subsets that overlap) is skipped. The report is
+<out_dir>/results.md (one row per variant, seeds averaged) and PNG plots: loss curves, MQAR accuracy
+by recall distance, cache bytes vs context (log-log), loss by position.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import yaml
+
+import cost
+import evals
+from config import ROOT, apply_override, from_raw, read_yaml
+from data.tokens import DataError
+from model import ConfigError
+
+SWEEP_KEYS = {"base": "path of the base config", "out_dir": "sweep folder", "seeds": "list of ints",
+              "overrides": "list of dotted overrides for every variant", "variants": "name -> list of overrides",
+              "evals": "eval name -> options", "threads": "torch threads", "decode_ctx": "int",
+              "description": "text"}
+CONTEXTS = cost.CONTEXTS
+
+
+class SweepError(ValueError):
+    """A bad sweep file; the message is one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# the sweep file
+
+
+def _norm_override(o, where):
+    if not isinstance(o, str):
+        raise SweepError(f"{where}: overrides are strings like --model.n_layer=4 (got {o!r})")
+    o = o if o.startswith("--") else "--" + o
+    if "=" not in o or "." not in o.split("=", 1)[0]:
+        raise SweepError(f"{where}: bad override {o!r}; overrides look like --section.key=value")
+    return o
+
+
+def load_sweep(path):
+    """Read and check a sweep file: every variant's config is built and validated before any run."""
+    try:
+        raw = read_yaml(path)
+    except ConfigError as e:
+        raise SweepError(str(e)) from None
+    if not isinstance(raw, dict):
+        raise SweepError(f"{path}: a sweep file is a mapping with keys {', '.join(SWEEP_KEYS)}")
+    for key in raw:
+        if key not in SWEEP_KEYS:
+            raise SweepError(f"{path}: {key}: unknown key; allowed keys: {', '.join(SWEEP_KEYS)}")
+    for key in ("base", "variants"):
+        if key not in raw:
+            raise SweepError(f"{path}: {key}: required key is missing ({SWEEP_KEYS[key]})")
+    here = os.path.dirname(os.path.abspath(path))
+    base = raw["base"]
+    if not isinstance(base, str):
+        raise SweepError(f"{path}: base: must be a path to a config file (got {base!r})")
+    cands = [base if os.path.isabs(base) else os.path.join(d, base) for d in (here, ROOT, os.getcwd())]
+    base_path = next((c for c in cands if os.path.isfile(c)), None)
+    if base_path is None:
+        raise SweepError(f"{path}: base: config file {base!r} not found (relative to the sweep file or repo root)")
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise SweepError(f"{path}: seeds: must be a non-empty list of integers (got {seeds!r})")
+    common = raw.get("overrides") or []
+    if isinstance(common, dict):
+        common = [f"--{k}={json.dumps(v)}" for k, v in common.items()]
+    if not isinstance(common, list):
+        raise SweepError(f"{path}: overrides: must be a list of dotted overrides (got {common!r})")
+    common = [_norm_override(o, f"{path}: overrides") for o in common]
+    variants = raw["variants"]
+    if not isinstance(variants, dict) or not variants:
+        raise SweepError(f"{path}: variants: must be a non-empty mapping of name -> list of overrides")
+    evs = raw.get("evals") or {}
+    if isinstance(evs, list):
+        evs = {name: {} for name in evs}
+    if not isinstance(evs, dict):
+        raise SweepError(f"{path}: evals: must be a mapping of eval name -> options (got {evs!r})")
+    for name, opts in evs.items():
+        if name not in evals.EVALS:
+            raise SweepError(f"{path}: evals.{name}: unknown eval; allowed: {', '.join(evals.EVALS)}")
+        opts = evs[name] = opts or {}
+        if not isinstance(opts, dict):
+            raise SweepError(f"{path}: evals.{name}: options must be a mapping (got {opts!r})")
+        for k in opts:
+            if k not in evals.eval_options(name):
+                raise SweepError(f"{path}: evals.{name}.{k}: unknown option; allowed: "
+                                 f"{', '.join(evals.eval_options(name))}")
+    out_dir = raw.get("out_dir") or os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
+    if not isinstance(out_dir, str):
+        raise SweepError(f"{path}: out_dir: must be a folder path (got {out_dir!r})")
+    sweep = {"path": path, "base": base_path, "out_dir": out_dir, "seeds": seeds, "evals": evs,
+             "threads": raw.get("threads", 1), "decode_ctx": raw.get("decode_ctx"),
+             "description": raw.get("description", ""), "common": common, "variants": {}}
+    for name, ovs in variants.items():
+        name = str(name)
+        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise SweepError(f"{path}: variants.{name}: names may hold letters, digits, '-', '_', '.' only")
+        if ovs is None:
+            ovs = []
+        if isinstance(ovs, dict):  # {model.pattern: [kda, attn]} -> --model.pattern=["kda", "attn"]
+            ovs = [f"--{k}={json.dumps(v)}" for k, v in ovs.items()]
+        if not isinstance(ovs, list):
+            raise SweepError(f"{path}: variants.{name}: must be a list of dotted overrides or a mapping "
+                             f"of dotted keys to values (got {ovs!r})")
+        ovs = [_norm_override(o, f"{path}: variants.{name}") for o in ovs]
+        sweep["variants"][name] = ovs
+        try:
+            config_for(sweep, name, seeds[0])
+        except ConfigError as e:
+            raise SweepError(f"{path}: variants.{name}: {e}") from None
+    return sweep
+
+
+def config_for(sweep, variant, seed):
+    """The validated Config of one run: base + common overrides + the variant's + seed and out_dir."""
+    raw = read_yaml(sweep["base"])
+    for o in sweep.get("common", []) + sweep["variants"][variant]:
+        apply_override(raw, o)
+    apply_override(raw, f"--train.seed={seed}")
+    apply_override(raw, f"--train.out_dir={run_dir(sweep, variant, seed)}")
+    return from_raw(raw)
+
+
+def run_dir(sweep, variant, seed):
+    return os.path.join(sweep["out_dir"], f"{variant}-s{seed}")
+
+
+# ----------------------------------------------------------------------------------------------
+# one run
+
+
+def write_json_atomic(path, obj):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_metrics(folder):
+    """metrics.jsonl rows, deduplicated: a resumed run re-logs steps after its last checkpoint, the
+    later line wins."""
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    rows = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+            rows[(r["step"], "loss" in r)] = r
+    return [rows[k] for k in sorted(rows)]
+
+
+def decode_ms_per_token(model, ctx, n=32):
+    """CPU wall time of one-token decode steps after a prefill of ctx tokens (batch 1)."""
+    import torch
+    cache = model.new_cache(1, ctx + n + 1)
+    g = torch.Generator().manual_seed(0)
+    model.step(torch.randint(0, model.config.vocab_size, (1, ctx), generator=g), cache)
+    tok = torch.zeros(1, 1, dtype=torch.long)
+    model.step(tok, cache)  # warm up
+    t = time.perf_counter()
+    for _ in range(n):
+        model.step(tok, cache)
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def run_one(sweep, variant, seed, stop_at=None, log=print):
+    """Train (or resume) one run, evaluate it and write result.json; returns the result, or None if
+    stopped early (stop_at: simulate an interruption after that many steps) or running elsewhere (a
+    `.running` file in the run folder holds the pid of the process running it)."""
+    folder = run_dir(sweep, variant, seed)
+    done = os.path.join(folder, "result.json")
+    if os.path.isfile(done):
+        with open(done) as f:
+            return json.load(f)
+    cfg = config_for(sweep, variant, seed)
+    os.makedirs(folder, exist_ok=True)
+    if not _lock(folder):
+        log(f"[{variant}-s{seed}] skipped: another process is running it")
+        return None
+    try:
+        return _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log)
+    finally:
+        os.remove(os.path.join(folder, ".running"))
+
+
+def _lock(folder):
+    """Claim a run folder for this process (a file holding our pid); a dead holder's claim is taken."""
+    path = os.path.join(folder, ".running")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            return True
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    pid = int(f.read() or 0)
+                os.kill(pid, 0)
+                if pid != os.getpid():
+                    return False
+            except PermissionError:  # alive, another user's
+                return False
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                pass
+            try:
+                os.remove(path)  # stale: its process is gone
+            except FileNotFoundError:
+                pass
+    return False
+
+
+def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
+    import torch
+    from sample import load_model
+    from train import latest_checkpoint, train
+    ckpt = latest_checkpoint(folder)
+    log(f"[{variant}-s{seed}] " + (f"resuming from {os.path.basename(ckpt)}" if ckpt else "training") +
+        f" ({' '.join(sweep['variants'][variant]) or 'base config'})")
+    t0 = time.time()
+    train(cfg, resume=True if ckpt else None, quiet=True, stop_at=stop_at)
+    if stop_at is not None and stop_at < cfg.train.max_steps:
+        return None
+    model, _ = load_model(latest_checkpoint(folder))
+    metrics = read_metrics(folder)
+    train_rows = [r for r in metrics if "loss" in r]
+    eval_rows = [r for r in metrics if "loss" not in r]
+    tps = sorted(r["tokens_per_s"] for r in train_rows)
+    result = {"variant": variant, "seed": seed, "overrides": sweep["variants"][variant],
+              "params": model.num_params(), "train_tokens_per_s": tps[len(tps) // 2] if tps else None,
+              "final": eval_rows[-1] if eval_rows else {}, "train_time_s": time.time() - t0, "evals": {}}
+    for name, opts in sweep["evals"].items():
+        t = time.time()
+        try:
+            result["evals"][name] = evals.run_eval(name, model, cfg, opts)
+        except ValueError as e:  # e.g. streaming on a model without global attention
+            result["evals"][name] = {"skipped": str(e)}
+        log(f"[{variant}-s{seed}] eval {name}: " + ", ".join(
+            f"{k} {v:.4g}" for k, v in evals.scalars(result["evals"][name]).items()) + f" ({time.time() - t:.0f}s)")
+    with torch.no_grad():
+        result["decode_ms_per_token"] = decode_ms_per_token(model, sweep["decode_ctx"] or cfg.train.seq_len)
+    write_json_atomic(done, result)
+    log(f"[{variant}-s{seed}] done in {time.time() - t0:.0f}s: " +
+        ", ".join(f"{k} {v:.4g}" for k, v in result["final"].items() if k != "step"))
+    return result
+
+
+def run_sweep(sweep, stop_at=None, log=print, only=None):
+    """Run every variant x seed in order (only: a subset of variant names)."""
+    import torch
+    torch.set_num_threads(int(sweep["threads"]))
+    for variant in sweep["variants"]:
+        if only and variant not in only:
+            continue
+        for seed in sweep["seeds"]:
+            run_one(sweep, variant, seed, stop_at, log)
+
+
+# ----------------------------------------------------------------------------------------------
+# the report
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _fmt(x, digits=3):
+    if x is None:
+        return "–"
+    if isinstance(x, int) or (isinstance(x, float) and abs(x) >= 1000):
+        return cost.human(x)
+    return f"{x:.{digits}g}" if abs(x) < 1 else f"{x:.{digits + 1}g}"
+
+
+def collect(sweep):
+    """{variant: [result per finished seed]}."""
+    out = {}
+    for variant in sweep["variants"]:
+        for seed in sweep["seeds"]:
+            path = os.path.join(run_dir(sweep, variant, seed), "result.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    out.setdefault(variant, []).append(json.load(f))
+    return out
+
+
+def results_table(sweep, results):
+    """The markdown table: one row per variant (mean over its finished seeds)."""
+    eval_cols = []
+    for rs in results.values():
+        for r in rs:
+            for name, res in r["evals"].items():
+                for k in evals.scalars(res):
+                    if (name, k) not in eval_cols:
+                        eval_cols.append((name, k))
+    final_cols = []
+    for rs in results.values():
+        for k in rs[0]["final"]:
+            if k != "step" and k not in final_cols:
+                final_cols.append(k)
+    head = ["variant", "seeds", "params", "train tok/s"] + [f"final {k}" for k in final_cols] + \
+        [f"{n} {k}" for n, k in eval_cols] + [f"cache @{cost.ctx_label(L)}" for L in CONTEXTS] + ["decode ms/tok"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, rs in results.items():
+        cfg = config_for(sweep, variant, rs[0]["seed"])
+        cells = [variant, str(len(rs)), cost.human(rs[0]["params"]),
+                 cost.human(_mean([r["train_tokens_per_s"] for r in rs]) or 0)]
+        cells += [_fmt(_mean([r["final"].get(k) for r in rs])) for k in final_cols]
+        cells += [_fmt(_mean([r["evals"].get(n, {}).get(k) for r in rs])) for n, k in eval_cols]
+        cells += [cost.human(cost.cache_bytes(cfg.model, L), "B") for L in CONTEXTS]
+        cells += [_fmt(_mean([r["decode_ms_per_token"] for r in rs]))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def make_plots(sweep, results):
+    """PNG plots in the sweep folder; returns their file names."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out, made = sweep["out_dir"], []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, name), dpi=80)
+        plt.close(fig)
+        made.append(name)
+
+    # training loss and the eval metric over steps
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for variant, rs in results.items():
+        m = read_metrics(run_dir(sweep, variant, rs[0]["seed"]))
+        tr = [r for r in m if "loss" in r]
+        ev = [r for r in m if "loss" not in r]
+        line, = axes[0].plot([r["step"] for r in tr], [r["loss"] for r in tr], label=variant)
+        key = "val_acc" if ev and "val_acc" in ev[0] else "val_loss"
+        axes[1].plot([r["step"] for r in ev], [r.get(key) for r in ev], marker="o", color=line.get_color(),
+                     label=variant)
+        axes[1].set_ylabel(key)
+    axes[0].set_ylabel("train loss")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    save(fig, "loss_curves.png")
+
+    # MQAR accuracy by recall distance
+    if any("by_distance" in r["evals"].get("mqar", {}) for rs in results.values() for r in rs):
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        markers = "osD^vP*Xh<>"
+        for i, (variant, rs) in enumerate(results.items()):
+            rows = rs[0]["evals"].get("mqar", {}).get("by_distance")
+            if rows:  # shrinking markers keep overlapping lines (all at 1.0, say) visible
+                ax.plot([math.sqrt(r["lo"] * r["hi"]) for r in rows], [r["acc"] for r in rows],
+                        marker=markers[i % len(markers)], markersize=max(3, 10 - i), label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("distance key -> query (tokens, power-of-two buckets)")
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, "acc_by_distance.png")
+
+    # cache bytes vs context, log-log
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    Ls = [2 ** i for i in range(8, 21)]
+    for variant, rs in results.items():
+        cfg = config_for(sweep, variant, rs[0]["seed"])
+        ax.plot(Ls, [cost.cache_bytes(cfg.model, L) for L in Ls], marker=".", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode cache bytes (bf16, batch 1)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    save(fig, "cache_bytes.png")
+
+    # loss by position (length extrapolation)
+    if any("by_position" in r["evals"].get("length", {}) for rs in results.values() for r in rs):
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        T = None
+        for variant, rs in results.items():
+            rows = rs[0]["evals"].get("length", {}).get("by_position")
+            if rows:
+                ax.plot([(r["lo"] + r["hi"]) / 2 for r in rows], [r["loss"] for r in rows], marker=".", label=variant)
+                T = config_for(sweep, variant, rs[0]["seed"]).train.seq_len
+        if T:
+            ax.axvline(T, color="gray", ls="--", lw=1)
+        ax.set_xlabel("position (dashed: training length)")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, "loss_by_position.png")
+    return made
+
+
+def write_report(sweep):
+    results = collect(sweep)
+    if not results:
+        return None
+    plots = make_plots(sweep, results)
+    cfg0 = config_for(sweep, next(iter(results)), results[next(iter(results))][0]["seed"])
+    tc = cfg0.train
+    lines = [f"# Sweep {os.path.basename(sweep['path'])}", "", sweep["description"].strip(), "",
+             f"Base `{os.path.relpath(sweep['base'], ROOT)}`; seeds {sweep['seeds']}; "
+             f"{tc.max_steps} steps x {tc.batch_size} x {tc.seq_len} tokens, lr {tc.lr:g}. "
+             "Cache bytes: analytic (cost.py), bf16, batch 1. decode ms/tok: CPU, batch 1, at context "
+             f"{sweep['decode_ctx'] or tc.seq_len}. Seeds averaged.", "", results_table(sweep, results), "",
+             "Variants:", ""]
+    for v, ovs in sweep["variants"].items():
+        lines.append(f"- `{v}`: {' '.join(f'`{o}`' for o in ovs) or 'the base config'}")
+    lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
+    path = os.path.join(sweep["out_dir"], "results.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep", help="sweep file (YAML)")
+    p.add_argument("--report", action="store_true", help="only collect finished runs into the report")
+    p.add_argument("--dry_run", action="store_true", help="check the sweep file and list the runs")
+    p.add_argument("--out_dir", default=None, help="override the sweep folder")
+    p.add_argument("--only", default=None, help="comma-separated variants to run (e.g. to split a sweep over "
+                   "two processes; finish with --report)")
+    args = p.parse_args(argv)
+    try:
+        sweep = load_sweep(args.sweep)
+        if args.out_dir:
+            sweep["out_dir"] = args.out_dir
+        if args.dry_run:
+            for v in sweep["variants"]:
+                for s in sweep["seeds"]:
+                    print(run_dir(sweep, v, s), " ".join(sweep["variants"][v]))
+            return 0
+        only = args.only.split(",") if args.only else None
+        for v in only or []:
+            if v not in sweep["variants"]:
+                raise SweepError(f"--only: {v!r} is not a variant of {args.sweep} ({', '.join(sweep['variants'])})")
+        if not args.report:
+            os.makedirs(sweep["out_dir"], exist_ok=True)
+            run_sweep(sweep, log=lambda m: print(m, flush=True), only=only)
+        path = write_report(sweep)
+    except (SweepError, ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}" if path else "no finished runs yet")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""Evaluations of a trained model, usable from the sweep runner (ablate.py) and standalone.
+
+    python evals.py val --ckpt out/x                      # val loss (+ bits per byte for text)
+    python evals.py mqar --ckpt out/x --n_batches 16      # MQAR accuracy by key-query distance
+    python evals.py needle --ckpt out/x --factors 1,2,4   # a fact planted at a depth, asked at the end
+    python evals.py length --ckpt out/x --factor 4        # loss by position up to 4x the training length
+    python evals.py streaming --ckpt out/x --budget 64    # StreamingLLM eviction: full / window / sinks+window
+    python evals.py --help ; python evals.py mqar --help
+
+Every eval is a function `eval_<name>(model, cfg, **options) -> dict`: the flat float entries are the
+scores (the sweep table shows them); list entries are curves (the sweep plots them). Options are
+keyword arguments with defaults; the command line exposes each as `--option`.
+"""
+import argparse
+import inspect
+import json
+import math
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import kernels
+from data.mqar import mqar_batch
+from model import Attention, apply_rope, rope_angles
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _device(model):
+    return model.wte.weight.device
+
+
+def _is_text(cfg):
+    return cfg.data.kind != "mqar"
+
+
+def _mqar_args(cfg, seq_len=None, n_pairs=None):
+    return (seq_len or cfg.train.seq_len, n_pairs or cfg.data.n_pairs, cfg.data.mqar_vocab or cfg.model.vocab_size)
+
+
+def _val_tokens(cfg):
+    """The validation token stream of a text config (a flat numpy array)."""
+    from data import make_dataset
+    data = make_dataset(cfg)
+    return np.concatenate([np.asarray(s.tokens) for s in data.val]), data.tokens_per_byte
+
+
+def _text_batch(cfg, n, length, offset=0):
+    """n val windows of length+1 tokens, spread over the val stream -> x, y [n, length]."""
+    toks, _ = _val_tokens(cfg)
+    if len(toks) < length + 2:
+        raise ValueError(f"the val split holds {len(toks)} tokens, fewer than one window of {length + 1}")
+    starts = np.linspace(offset, len(toks) - length - 2, n).astype(np.int64)
+    buf = torch.from_numpy(np.stack([toks[s:s + length + 1].astype(np.int64) for s in starts]))
+    return buf[:, :-1], buf[:, 1:]
+
+
+def distance_buckets(max_dist):
+    """Power-of-two bucket edges [1, 2, 4, ...] covering distances up to max_dist."""
+    edges = [1]
+    while edges[-1] <= max_dist:
+        edges.append(edges[-1] * 2)
+    return edges
+
+
+# ----------------------------------------------------------------------------------------------
+# validation loss / bits per byte
+
+
+@torch.no_grad()
+def eval_val(model, cfg, n_batches=10):
+    """The dataset's own eval: val_loss and val_bpb (text) or val_loss and val_acc (MQAR)."""
+    from data import make_dataset
+    return make_dataset(cfg).evaluate(model, n_batches, _device(model))
+
+
+# ----------------------------------------------------------------------------------------------
+# MQAR accuracy by recall distance
+
+
+@torch.no_grad()
+def eval_mqar(model, cfg, n_batches=8, batch_size=32, seq_len=0, n_pairs=0, seed=7):
+    """Accuracy on fresh MQAR sequences (a seed stream unused by training and val), overall and by
+    the distance between a key and its query in power-of-two buckets [1,2), [2,4), ...
+    seq_len / n_pairs 0 = the training settings."""
+    T, P, V = _mqar_args(cfg, seq_len, n_pairs)
+    edges = distance_buckets(T)
+    hit, cnt = np.zeros(len(edges) - 1), np.zeros(len(edges) - 1)
+    for i in range(n_batches):
+        x, y, dist = mqar_batch(batch_size, T, P, V, [seed, 2 * 10 ** 9 + i])
+        pred = model(x.to(_device(model)))[0].argmax(-1).cpu()
+        mask = y >= 0
+        ok, d = (pred[mask] == y[mask]).numpy(), dist[mask].numpy()
+        b = np.searchsorted(edges, d, side="right") - 1
+        np.add.at(hit, b, ok)
+        np.add.at(cnt, b, 1)
+    by_distance = [{"lo": edges[j], "hi": edges[j + 1], "acc": hit[j] / cnt[j], "n": int(cnt[j])}
+                   for j in range(len(cnt)) if cnt[j] > 0]
+    out = {"acc": float(hit.sum() / cnt.sum()), "by_distance": by_distance}
+    short, long_ = cnt[:5].sum(), cnt[5:].sum()  # distance < 32 vs >= 32
+    if short:
+        out["acc_d<32"] = float(hit[:5].sum() / short)
+    if long_:
+        out["acc_d>=32"] = float(hit[5:].sum() / long_)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Needle retrieval
+
+
+def _needle_mqar(model, cfg, contexts, depths, n_trials, seed):
+    """Synthetic-vocab needle for MQAR models: the n_pairs key-value block (as in training) sits at
+    `depth` of a context of zeros (MQAR's filler token); every key is queried in the last n_pairs
+    positions; score = accuracy of the values predicted there."""
+    _, P, V = _mqar_args(cfg)
+    half, rng = V // 2, np.random.default_rng(seed)
+    grid = []
+    for L in contexts:
+        for depth in depths:
+            x = np.zeros((n_trials, L), dtype=np.int64)
+            y = np.full((n_trials, L), -1, dtype=np.int64)
+            q0 = L - P
+            start = int(round(depth * (q0 - 2 * P)))
+            for b in range(n_trials):
+                keys = rng.choice(np.arange(1, half), P, replace=False)
+                vals = rng.choice(np.arange(half, V), P, replace=False)
+                x[b, start:start + 2 * P:2], x[b, start + 1:start + 2 * P:2] = keys, vals
+                order = rng.permutation(P)
+                x[b, q0:], y[b, q0:] = keys[order], vals[order]
+            x, y = torch.from_numpy(x), torch.from_numpy(y)
+            pred = model(x.to(_device(model)))[0].argmax(-1).cpu()
+            acc = (pred[y >= 0] == y[y >= 0]).float().mean().item()
+            grid.append({"context": L, "depth": depth, "acc": acc})
+    return grid
+
+
+@torch.no_grad()
+def _greedy(model, prompt, n_new):
+    """Greedy continuation of prompt [B, T] by n_new tokens with the model's cached decode."""
+    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + n_new)
+    logits, out = model.step(prompt, cache)[:, -1], []
+    for _ in range(n_new):
+        out.append(logits.argmax(-1))
+        logits = model.step(out[-1][:, None], cache)[:, -1]
+    return torch.stack(out, 1)
+
+
+def _needle_text(model, cfg, contexts, depths, n_trials, seed):
+    """Byte-level needle: filler from the val corpus, the fact "secret = 48213" planted at `depth`,
+    the query "secret = " at the end; score = exact match of the 5 greedy digits."""
+    if cfg.model.vocab_size < 256:
+        raise ValueError("the text needle needs a byte-level model (vocab_size >= 256)")
+    toks, _ = _val_tokens(cfg)
+    rng = np.random.default_rng(seed)
+    query = list(b"\nThe secret number is ")
+    grid = []
+    for L in contexts:
+        for depth in depths:
+            prompts, answers = [], []
+            for _ in range(n_trials):
+                number = f"{rng.integers(10000, 100000)}"
+                fact = list(f"\nThe secret number is {number}.\n".encode())
+                n_fill = L - len(fact) - len(query)
+                s = int(rng.integers(0, len(toks) - n_fill - 1))
+                filler = [int(t) if t < 256 else 10 for t in toks[s:s + n_fill]]
+                at = int(round(depth * n_fill))
+                prompts.append(filler[:at] + fact + filler[at:] + query)
+                answers.append(number)
+            out = _greedy(model, torch.tensor(prompts, device=_device(model)), 5).cpu().tolist()
+            acc = float(np.mean([bytes(t % 256 for t in o).decode("latin-1") == a for o, a in zip(out, answers)]))
+            grid.append({"context": L, "depth": depth, "acc": acc})
+    return grid
+
+
+@torch.no_grad()
+def eval_needle(model, cfg, factors=(1, 2, 4), depths=(0.0, 0.25, 0.5, 0.75, 1.0), n_trials=16, seed=11):
+    """A fact planted at a controlled depth, asked at the end, in contexts of `factors` x the training
+    length (so longer than every window and than training). MQAR models: the synthetic-vocab needle
+    (_needle_mqar); byte-level text models: "The secret number is 48213." (_needle_text)."""
+    contexts = [int(f * cfg.train.seq_len) for f in factors]
+    fn = _needle_text if _is_text(cfg) else _needle_mqar
+    grid = fn(model, cfg, contexts, depths, n_trials, seed)
+    out = {"grid": grid}
+    for L in contexts:
+        f = L / cfg.train.seq_len
+        out[f"acc@{f:g}x"] = float(np.mean([g["acc"] for g in grid if g["context"] == L]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss by position (length extrapolation)
+
+
+@torch.no_grad()
+def eval_length(model, cfg, factor=4, n_seqs=16, n_buckets=16, seed=13):
+    """Loss by position over contexts of factor x the training length (one parallel forward).
+    Text: next-token loss on val windows. MQAR: loss and accuracy at the query positions of
+    sequences of that length (same pairs, so the gaps grow)."""
+    T = int(factor * cfg.train.seq_len)
+    if _is_text(cfg):
+        x, y = _text_batch(cfg, n_seqs, T)
+    else:
+        _, P, V = _mqar_args(cfg)
+        x, y, _ = mqar_batch(n_seqs, T, P, V, [seed, 3 * 10 ** 9])
+    logits = model(x.to(_device(model)))[0].float().cpu()
+    ce = F.cross_entropy(logits.transpose(1, 2), y.clamp(min=0), reduction="none")   # [n, T]
+    ok = (logits.argmax(-1) == y).float()
+    mask = (y >= 0).float()
+    edges = np.linspace(0, T, n_buckets + 1).astype(int)
+    curve = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        m = mask[:, a:b].sum().item()
+        if m:
+            curve.append({"lo": int(a), "hi": int(b), "loss": (ce[:, a:b] * mask[:, a:b]).sum().item() / m,
+                          "acc": (ok[:, a:b] * mask[:, a:b]).sum().item() / m})
+    def mean_over(lo, hi):
+        m = mask[:, lo:hi].sum().item()
+        return (ce[:, lo:hi] * mask[:, lo:hi]).sum().item() / m if m else float("nan")
+    t0 = cfg.train.seq_len
+    return {"by_position": curve, "loss@1x": mean_over(0, t0), f"loss@{factor:g}x": mean_over(T - t0, T)}
+
+
+# ----------------------------------------------------------------------------------------------
+# StreamingLLM eviction
+
+
+def _streaming_attention(mixer, x, cache, budget, n_sinks):
+    """One decode step of a global Attention layer with an evicting cache.
+
+    cache: dict with pre-RoPE keys k and values v [B, S, Hkv, D]. The new token's key joins the cache;
+    if the cache then holds more than `budget` keys, the oldest are dropped, keeping the first
+    `n_sinks` (StreamingLLM's attention sinks; 0 = window only). Keys are rotated at their positions
+    inside the cache, 0..n, the query at n (its own slot), so positions never exceed the budget.
+    budget None = keep everything (positions are then the absolute ones: the model's own decode)."""
+    c = mixer.cfg
+    B = x.shape[0]
+    q = mixer.wq(x).view(B, 1, c.n_heads, c.head_dim)
+    k = mixer.wk(x).view(B, 1, c.n_kv_heads, c.head_dim)
+    v = mixer.wv(x).view(B, 1, c.n_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q, k = mixer.q_norm(q), mixer.k_norm(k)
+    cache["k"] = torch.cat([cache["k"], k], 1)
+    cache["v"] = torch.cat([cache["v"], v], 1)
+    S = cache["k"].shape[1]
+    if budget is not None and S > budget:
+        keep = list(range(n_sinks)) + list(range(S - (budget - n_sinks), S))
+        cache["k"], cache["v"] = cache["k"][:, keep], cache["v"][:, keep]
+        S = budget
+    k_all = cache["k"]
+    if c.rope:
+        cos, sin = rope_angles(torch.arange(S, device=x.device), c.head_dim, c.rope_theta)
+        k_all = apply_rope(k_all, cos, sin)
+        q = apply_rope(q, cos[-1:], sin[-1:])
+    o = kernels.attention(q, k_all, cache["v"], sinks=mixer.sinks, backend=mixer.backend)
+    return mixer.wo(o.reshape(B, 1, -1))
+
+
+@torch.no_grad()
+def streaming_logits(model, x, budget=None, n_sinks=4):
+    """Token-by-token decode of x [B, L] where every global attention layer keeps an evicting cache
+    (see _streaming_attention); other layers (windowed attention, delta rule) use their own caches.
+    Returns logits [B, L, vocab]. budget None = full cache (equals model.forward)."""
+    B, L = x.shape
+    caches = []
+    for block in model.blocks:
+        m = block.mixer
+        if isinstance(m, Attention) and m.cfg.window is None:
+            empty = model.wte.weight.new_zeros(B, 0, m.cfg.n_kv_heads, m.cfg.head_dim)
+            caches.append({"k": empty, "v": empty})
+        else:
+            caches.append(m.new_cache(B, L, x.device, model.wte.weight.dtype))
+    out = []
+    for t in range(L):
+        h = model.wte(x[:, t:t + 1])
+        for block, cache in zip(model.blocks, caches):
+            a = block.norm1(h)
+            if isinstance(cache, dict):
+                h = h + _streaming_attention(block.mixer, a, cache, budget, n_sinks)
+            else:
+                h = h + block.mixer(a, cache, t)
+            h = h + block.mlp(block.norm2(h))
+        out.append(model.lm_head(model.norm_f(h)))
+    return torch.cat(out, 1)
+
+
+@torch.no_grad()
+def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4):
+    """StreamingLLM (seed 004): perplexity on streams of factor x the training length for a full
+    cache, a recent window of `budget` keys, and n_sinks first tokens + the most recent budget -
+    n_sinks keys (positions inside the cache, keys re-rotated). Global attention layers only."""
+    if not any(isinstance(b.mixer, Attention) and b.mixer.cfg.window is None for b in model.blocks):
+        raise ValueError("streaming: the model has no global attention layer to evict from")
+    L = int(factor * cfg.train.seq_len)
+    if _is_text(cfg):
+        x, y = _text_batch(cfg, n_seqs, L, offset=12345)
+    else:
+        _, P, V = _mqar_args(cfg)
+        x, y, _ = mqar_batch(n_seqs, L, P, V, [17, 4 * 10 ** 9])
+    x = x.to(_device(model))
+    out = {}
+    for name, b, s in [("full", None, 0), ("window", budget, 0), ("sinks+window", budget, n_sinks)]:
+        logits = streaming_logits(model, x, b, s).float().cpu()
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-1).item()
+        out[f"ppl_{name}"] = math.exp(min(nll, 50.0))
+    return out
+
+
+EVALS = {"val": eval_val, "mqar": eval_mqar, "needle": eval_needle, "length": eval_length,
+         "streaming": eval_streaming}
+
+
+def run_eval(name, model, cfg, options=None):
+    """Run eval `name` with a dict of options (checked against the function's keyword arguments)."""
+    fn = EVALS[name]
+    allowed = eval_options(name)
+    for key in options or {}:
+        if key not in allowed:
+            raise KeyError(f"evals.{name}.{key}: unknown option; allowed: {', '.join(allowed)}")
+    model.eval()
+    return fn(model, cfg, **(options or {}))
+
+
+def eval_options(name):
+    """{option: default} of eval `name`."""
+    sig = inspect.signature(EVALS[name])
+    return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+
+
+def scalars(result):
+    """The flat float entries of an eval result (what the sweep table shows)."""
+    return {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+
+
+def _parse_value(default):
+    if isinstance(default, (tuple, list)):
+        kind = type(default[0]) if default else float
+        return lambda s: tuple(kind(v) for v in s.split(","))
+    if isinstance(default, bool):
+        return lambda s: s.lower() in ("1", "true", "yes")
+    return type(default)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="eval", required=True, metavar="EVAL", help=", ".join(EVALS))
+    for name, fn in EVALS.items():
+        sp = sub.add_parser(name, help=fn.__doc__.split("\n")[0], description=fn.__doc__)
+        sp.add_argument("--ckpt", required=True, help="checkpoint file or run folder (latest ckpt_*.pt)")
+        sp.add_argument("--device", default="cpu")
+        sp.add_argument("--json", action="store_true", help="print the whole result as JSON")
+        for key, default in eval_options(name).items():
+            sp.add_argument(f"--{key}", type=_parse_value(default), default=default,
+                            help=f"default {','.join(map(str, default)) if isinstance(default, tuple) else default}")
+    args = p.parse_args(argv)
+    from data.tokens import DataError
+    from model import ConfigError
+    from sample import load_model
+    try:
+        model, cfg = load_model(args.ckpt, args.device)
+        options = {k: getattr(args, k) for k in eval_options(args.eval)}
+        result = run_eval(args.eval, model, cfg, options)
+    except (ConfigError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for k, v in result.items():
+            if isinstance(v, list):
+                for row in v:
+                    print(f"  {k}: " + ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}"
+                                                 for a, b in row.items()))
+            else:
+                print(f"{k}: {v:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

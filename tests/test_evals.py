@@ -1,0 +1,118 @@
+"""evals.py: StreamingLLM decode loop against forward, MQAR distance buckets, needle, length, CLI."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import evals
+from config import from_raw
+from data.mqar import mqar_batch
+from model import GPT
+
+
+def make(pattern, layers, vocab=40, seq_len=32, seed=0):
+    cfg = from_raw({"model": {"vocab_size": vocab, "d_model": 32, "n_layer": len(pattern), "pattern": pattern,
+                              "layers": layers, "mlp": {"hidden": 64}},
+                    "data": {"kind": "mqar", "n_pairs": 4}, "train": {"seq_len": seq_len, "batch_size": 4}})
+    torch.manual_seed(seed)
+    model = GPT(cfg.model).eval()
+    with torch.no_grad():  # larger weights than the init so attention is far from uniform
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0, 1)
+            elif p.dim() == 2:
+                p.mul_(8)
+    return model, cfg
+
+
+GLOBAL = {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "qk_norm": True, "sinks": True}
+
+
+@pytest.mark.parametrize("pattern,layers", [
+    (["g", "g"], {"g": GLOBAL}),
+    (["k", "g", "w"], {"k": {"kind": "kda", "n_heads": 2}, "g": {**GLOBAL, "sinks": False},
+                       "w": {"kind": "attn", "n_heads": 2, "window": 5}}),
+])
+def test_streaming_full_cache_equals_forward(pattern, layers):
+    model, _ = make(pattern, layers)
+    x = torch.randint(0, 40, (2, 12))
+    ref = model(x)[0]
+    for budget in (None, 12):  # a budget that never evicts keeps absolute positions
+        assert (evals.streaming_logits(model, x, budget, 4) - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("n_sinks", [0, 2])
+def test_streaming_eviction_reassigns_positions(n_sinks):
+    """One layer: keys are cached before RoPE and depend on their token only, so decoding with an
+    evicting cache equals a forward over exactly the kept tokens at positions 0..n (StreamingLLM)."""
+    model, _ = make(["g"], {"g": GLOBAL})
+    x = torch.randint(0, 40, (2, 11))
+    budget = 6
+    got = evals.streaming_logits(model, x, budget, n_sinks)
+    for t in (8, 10):
+        keep = list(range(n_sinks)) + list(range(t + 1 - (budget - n_sinks), t + 1))
+        ref = model(x[:, keep])[0][:, -1]
+        assert (got[:, t] - ref).abs().max() < 1e-4
+    assert (evals.streaming_logits(model, x, budget, n_sinks)[:, :budget] - model(x[:, :budget])[0]).abs().max() < 1e-4
+
+
+def test_eval_streaming_reports_three_policies():
+    model, cfg = make(["g"], {"g": GLOBAL}, seq_len=16)
+    out = evals.eval_streaming(model, cfg, factor=1, budget=8, n_seqs=2)
+    assert set(out) == {"ppl_full", "ppl_window", "ppl_sinks+window"} and all(v > 0 for v in out.values())
+    kda, cfg2 = make(["k"], {"k": {"kind": "kda", "n_heads": 2}})
+    with pytest.raises(ValueError, match="no global attention"):
+        evals.eval_streaming(kda, cfg2)
+
+
+def test_mqar_eval_buckets_every_query():
+    model, cfg = make(["g"], {"g": GLOBAL})
+    out = evals.eval_mqar(model, cfg, n_batches=2, batch_size=8)
+    assert sum(r["n"] for r in out["by_distance"]) == 2 * 8 * 4          # every query counted once
+    assert all(r["lo"] * 2 == r["hi"] for r in out["by_distance"])
+    assert abs(out["acc"] - sum(r["acc"] * r["n"] for r in out["by_distance"]) / 64) < 1e-9
+    _, _, dist = mqar_batch(8, 32, 4, 40, [7, 2 * 10 ** 9])
+    assert dist.max() < 32 and dist[dist > 0].min() >= 1
+
+
+def test_needle_and_length_shapes():
+    model, cfg = make(["k", "w"], {"k": {"kind": "kda", "n_heads": 2}, "w": {"kind": "attn", "n_heads": 2, "window": 4}})
+    out = evals.eval_needle(model, cfg, factors=(1, 2), depths=(0.0, 1.0), n_trials=3)
+    assert {"acc@1x", "acc@2x"} <= set(out) and len(out["grid"]) == 4
+    assert {g["context"] for g in out["grid"]} == {32, 64}
+    out = evals.eval_length(model, cfg, factor=2, n_seqs=3, n_buckets=4)
+    assert out["by_position"][0]["lo"] == 0 and out["by_position"][-1]["hi"] <= 64  # empty buckets are left out
+    assert np.isfinite(out["loss@1x"]) and np.isfinite(out["loss@2x"])
+    with pytest.raises(KeyError, match="unknown option"):
+        evals.run_eval("mqar", model, cfg, {"n_batchez": 1})
+
+
+def test_text_needle_scores_exact_digits(tmp_path, monkeypatch):
+    """A byte-level 'model' that copies the digits after the planted fact scores 1; a random one 0."""
+    cfg = from_raw({"model": {"vocab_size": 257, "d_model": 16, "n_layer": 1, "pattern": ["g"],
+                              "layers": {"g": {"kind": "attn", "n_heads": 2}}, "mlp": {"hidden": 32}},
+                    "train": {"seq_len": 64}})
+    monkeypatch.setattr(evals, "_val_tokens", lambda cfg: (np.frombuffer(b"x = 1\n" * 500, np.uint8), 1.0))
+
+    def oracle(model, prompt, n):
+        out = []
+        for row in prompt.tolist():
+            text = bytes(row).decode()
+            i = text.index("secret number is ") + len("secret number is ")
+            out.append(list(text[i:i + n].encode()))
+        return torch.tensor(out)
+    monkeypatch.setattr(evals, "_greedy", oracle)
+    out = evals.eval_needle(GPT(cfg.model), cfg, factors=(2,), depths=(0.5,), n_trials=3)
+    assert out["acc@2x"] == 1.0 and out["grid"][0]["context"] == 128
+
+
+def test_cli(tmp_path, capsys):
+    from train import save_checkpoint
+    model, cfg = make(["g"], {"g": GLOBAL})
+    save_checkpoint(str(tmp_path / "ckpt_1.pt"), {"model": model.state_dict(), "config": cfg.raw})
+    assert evals.main(["mqar", "--ckpt", str(tmp_path), "--n_batches", "1", "--json"]) == 0
+    assert "by_distance" in json.loads(capsys.readouterr().out)
+    assert evals.main(["needle", "--ckpt", str(tmp_path), "--factors", "1", "--depths", "0.5", "--n_trials", "2"]) == 0
+    assert "acc@1x" in capsys.readouterr().out
+    assert evals.main(["mqar", "--ckpt", str(tmp_path / "nope")]) == 2
