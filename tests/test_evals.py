@@ -110,7 +110,7 @@ def test_text_needle_scores_exact_digits(tmp_path, monkeypatch):
 def test_cli(tmp_path, capsys):
     from train import save_checkpoint
     model, cfg = make(["g"], {"g": GLOBAL})
-    save_checkpoint(str(tmp_path / "ckpt_1.pt"), {"model": model.state_dict(), "config": cfg.raw})
+    save_checkpoint(str(tmp_path / "ckpt_1.pt"), {"model": model.state_dict(), "config": cfg.raw, "step": 1})
     assert evals.main(["mqar", "--ckpt", str(tmp_path), "--n_batches", "1", "--json"]) == 0
     assert "by_distance" in json.loads(capsys.readouterr().out)
     assert evals.main(["needle", "--ckpt", str(tmp_path), "--factors", "1", "--depths", "0.5", "--n_trials", "2"]) == 0
