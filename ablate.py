@@ -35,12 +35,11 @@ import os
 import sys
 import time
 
-import yaml
 
 import cost
 import evals
 from config import ROOT, apply_override, from_raw, read_yaml
-from data.tokens import DataError
+from data.tokens import DataError, write_json
 from model import ConfigError
 
 SWEEP_KEYS = {"base": "path of the base config", "out_dir": "sweep folder", "seeds": "list of ints",
@@ -160,15 +159,6 @@ def run_dir(sweep, variant, seed):
 # one run
 
 
-def write_json_atomic(path, obj):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def read_metrics(folder):
     """metrics.jsonl rows, deduplicated: a resumed run re-logs steps after its last checkpoint, the
     later line wins."""
@@ -276,7 +266,7 @@ def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
             f"{k} {v:.4g}" for k, v in evals.scalars(result["evals"][name]).items()) + f" ({time.time() - t:.0f}s)")
     with torch.no_grad():
         result["decode_ms_per_token"] = decode_ms_per_token(model, sweep["decode_ctx"] or cfg.train.seq_len)
-    write_json_atomic(done, result)
+    write_json(done, result)
     log(f"[{variant}-s{seed}] done in {time.time() - t0:.0f}s: " +
         ", ".join(f"{k} {v:.4g}" for k, v in result["final"].items() if k != "step"))
     return result

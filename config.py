@@ -7,7 +7,7 @@ refused while loading with a ConfigError: one line naming the key and what is al
 """
 import copy
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 import yaml

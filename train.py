@@ -31,7 +31,7 @@ from tqdm import tqdm
 import cost
 from config import from_raw, load_config, split_args
 from data import make_dataset
-from data.tokens import DataError
+from data.tokens import DataError, atomic_write
 from model import GPT, ConfigError
 
 USAGE = __doc__
@@ -156,19 +156,8 @@ class Dist:
 
 
 def save_checkpoint(path, state):
-    """Atomic: write a temporary file, fsync, rename. A kill mid-save leaves the old file intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:  # make the rename itself durable
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    except OSError:
-        pass
+    """Atomic (temporary file, fsync, rename): a kill mid-save leaves the old checkpoint intact."""
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def checkpoint_step(path):

@@ -32,7 +32,7 @@ if __name__ == "__main__":  # python data/prepare.py: make the repository root i
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from data.tokens import DataError, write_tokens  # noqa: E402
+from data.tokens import DataError, write_json, write_tokens  # noqa: E402
 
 MANIFEST = "manifest.json"
 _ENC = None  # the encoding of a worker process
@@ -74,15 +74,6 @@ def _batched(iterable, n):
     it = iter(iterable)
     while batch := list(itertools.islice(it, n)):
         yield batch
-
-
-def _write_json(path, obj):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def prepare(docs, out, encoding="gpt2", source=None, max_tokens=None, shard_tokens=100_000_000,
@@ -136,7 +127,7 @@ def prepare(docs, out, encoding="gpt2", source=None, max_tokens=None, shard_toke
                                    "docs": buf_docs})
         manifest["docs_done"] += buf_docs
         manifest["tokens"] += int(tokens.size)
-        _write_json(mpath, manifest)
+        write_json(mpath, manifest)
         buf, buf_bytes, buf_docs, split = [], 0, 0, "train"
 
     def buffered():
@@ -175,7 +166,7 @@ def prepare(docs, out, encoding="gpt2", source=None, max_tokens=None, shard_toke
             flush()
         if not done:
             manifest["complete"] = True  # the source is exhausted
-        _write_json(mpath, manifest)
+        write_json(mpath, manifest)
     finally:
         bar.close()
         if pool is not None:

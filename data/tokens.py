@@ -6,6 +6,7 @@ A token file is a 256-byte header of 32 little-endian int64 followed by the toke
 A corpus is a folder of `train_*.bin` and `val_*.bin` shards (a single shard is `train_000.bin`).
 """
 import glob
+import json
 import os
 import re
 
@@ -20,6 +21,27 @@ class DataError(ValueError):
     """A missing, corrupt or incompatible data file. The message is one line."""
 
 
+def atomic_write(path, write, mode="wb"):
+    """Write a file so that a kill at any moment leaves either the old file or the new one: write(f)
+    into a temporary file beside it, fsync, rename over `path`, fsync the folder (the rename)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, mode) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    except OSError:  # some filesystems cannot fsync a folder
+        pass
+
+
+def write_json(path, obj):
+    atomic_write(path, lambda f: json.dump(obj, f, indent=1), mode="w")
+
+
 def write_tokens(path, tokens, vocab_size, n_text_bytes, eot_id=-1):
     """Write a token file atomically (temporary file, fsync, rename)."""
     dtype = np.uint16 if vocab_size <= 2 ** 16 else np.uint32
@@ -28,13 +50,7 @@ def write_tokens(path, tokens, vocab_size, n_text_bytes, eot_id=-1):
         raise DataError(f"{path}: token ids must lie in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
     header = np.zeros(HEADER_INTS, dtype="<i8")
     header[:7] = [MAGIC, VERSION, vocab_size, tokens.size, np.dtype(dtype).itemsize, n_text_bytes, eot_id]
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(dtype).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: (f.write(header.tobytes()), f.write(tokens.astype(dtype).tobytes())))
 
 
 class TokenFile:

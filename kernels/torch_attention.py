@@ -11,8 +11,8 @@ BLOCK_Q = 128  # queries per block in the blocked path
 
 
 def attention_torch(q, k, v, *, window=None, sinks=None, scale=None):
-    B, T, Hq, Dk = q.shape
-    S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    T, Hq, Dk = q.shape[1:]
+    S, Hkv = k.shape[1], k.shape[2]
     scale = Dk ** -0.5 if scale is None else scale
     offset = S - T                       # query t sits at absolute position offset + t
     if window is not None and window >= S:
@@ -27,7 +27,7 @@ def attention_torch(q, k, v, *, window=None, sinks=None, scale=None):
 
 def _blocked(q, k, v, window, sinks, scale, offset):
     B, T, Hq, Dk = q.shape
-    S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, Dv = k.shape[2], v.shape[3]
     G = Hq // Hkv                                                # query heads per kv head
     qg = q.view(B, T, Hkv, G, Dk).permute(0, 2, 3, 1, 4)        # [B, Hkv, G, T, Dk]
     kh = k.transpose(1, 2)                                       # [B, Hkv, S, Dk]

@@ -10,7 +10,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from config import from_raw  # noqa: E402

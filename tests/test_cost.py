@@ -2,7 +2,6 @@
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 import cost
 from config import from_raw
