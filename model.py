@@ -367,10 +367,6 @@ class Attention(nn.Module):
         cache.v[:, :, new] = v[:, T - n_new:].transpose(1, 2)
         return k_all, v_all
 
-    def cache_bytes_per_token(self, dtype=torch.float32):
-        """K and V per cached token (a windowed layer caches at most `window` tokens)."""
-        return 2 * self.cfg.n_kv_heads * self.cfg.head_dim * torch.empty((), dtype=dtype).element_size()
-
 
 MIXERS["attn"] = (AttnConfig, Attention)
 
@@ -499,9 +495,6 @@ class DeltaNet(nn.Module):
             gate = torch.sigmoid(gate) if c.kind == "kda" else F.silu(gate)
             o = self.o_norm(o) * gate
         return self.wo(o.reshape(B, T, H * V))
-
-    def cache_bytes_per_token(self, dtype=torch.float32):
-        return 0  # the state does not grow with the context; its size is new_cache(...).nbytes()
 
     def new_cache(self, batch_size, max_len, device, dtype):
         c = self.cfg
@@ -747,10 +740,6 @@ class MLA(nn.Module):
             return cache.kv[:, :pos + T], None
         cache.ik[:, pos:pos + T] = ik
         return cache.kv[:, :pos + T], cache.ik[:, :pos + T]
-
-    def cache_bytes_per_token(self, dtype=torch.float32):
-        n = self.cfg.kv_lora_rank + self.cfg.rope_dim + (0 if self.indexer is None else self.cfg.dsa.head_dim)
-        return n * torch.empty((), dtype=dtype).element_size()
 
 
 MIXERS["mla"] = (MLAConfig, MLA)

@@ -302,20 +302,17 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def print_cache_bytes(mcfg, model):
-    """One line per distinct layer: decode-cache bytes per token per layer at the weights' dtype."""
-    names = [mcfg.pattern[i % len(mcfg.pattern)] for i in range(mcfg.n_layer)]
-    dtype = next(model.parameters()).dtype
-    for name in dict.fromkeys(names):
-        mixer = model.blocks[names.index(name)].mixer
-        per_token = mixer.cache_bytes_per_token(dtype)
-        if per_token == 0:
-            state = mixer.new_cache(1, 1, "cpu", dtype).nbytes()
-            print(f"cache: {name} ({mixer.cfg.kind}) {state} bytes/layer whatever the context (fp32 state)")
+def print_cache_bytes(mcfg, dtype_bytes):
+    """One line per distinct layer: its decode-cache bytes (cost.py's model), per token or constant."""
+    for name in dict.fromkeys(mcfg.pattern[i % len(mcfg.pattern)] for i in range(mcfg.n_layer)):
+        lc = mcfg.layers[name]
+        one, two = (cost.mixer_cost(lc, mcfg.d_model, 1, ctx, dtype_bytes)["cache_bytes"] for ctx in (1, 2))
+        if one == two:
+            print(f"cache: {name} ({lc.kind}) {one:,.0f} bytes/layer whatever the context")
         else:
-            window = getattr(mixer.cfg, "window", None)
+            window = getattr(lc, "window", None)
             cap = f", at most {window} tokens" if window else ""
-            print(f"cache: {name} ({mixer.cfg.kind}) {per_token} bytes/token/layer ({dtype}){cap}")
+            print(f"cache: {name} ({lc.kind}) {two - one:,.0f} bytes/token/layer ({dtype_bytes}-byte){cap}")
 
 
 def train(cfg, resume=None, quiet=False, stop_at=None):
@@ -420,7 +417,7 @@ def _train(cfg, pg, resume, quiet, stop_at):
         par = f", {pg.world} ranks ({tc.parallel})" if pg.enabled else ""
         print(f"model: {n_params / 1e6:.2f}M parameters, {cfg.model.n_layer} layers ({kinds}), device "
               f"{device.type}{par}, optimizer {tc.optimizer}" + (f", resumed at step {step}" if step else ""))
-        print_cache_bytes(cfg.model, module)
+        print_cache_bytes(cfg.model, next(module.parameters()).element_size())
     log = open_metrics(tc.out_dir, step if resume else None) if pg.main else None
 
     def write(row):

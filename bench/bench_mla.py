@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import cost  # noqa: E402
 from config import load_config
 from model import GPT, ConfigError, ModelConfig
 from train import pick_device
@@ -86,7 +87,7 @@ def main(argv=None):
         model = GPT(ModelConfig.from_dict(raw)).to(device).eval()
         for block in model.blocks:
             block.mixer.absorb = absorb
-        per_token = model.blocks[0].mixer.cache_bytes_per_token()
+        per_token = cost.mixer_cost(model.config.layers["x"], cfg.model.d_model, 1, 1, 4)["cache_bytes_per_token"]
         for ctx in contexts:
             ms = bench(model, ctx, args.tokens, args.repeats, device)
             # bytes held for the context itself (the cache is allocated a few tokens longer)

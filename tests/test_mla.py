@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cost
+
 import model as M
 from config import ROOT, load_config
 from tests.test_model import check_step_equals_forward, make_model
@@ -231,10 +233,11 @@ def test_cache_bytes_per_token():
         model = make_model({"a": spec}, n_layer=3)
         cache = model.new_cache(1, 100)
         assert cache.nbytes() == 3 * 100 * per_token * 4
-        assert model.blocks[0].mixer.cache_bytes_per_token() == per_token * 4
-        assert model.blocks[0].mixer.cache_bytes_per_token(torch.bfloat16) == per_token * 2
-    assert make_model({"g": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2}}).blocks[0].mixer \
-        .cache_bytes_per_token() == 2 * 2 * 8 * 4
+        layer, d = model.config.layers["a"], model.config.d_model
+        assert cost.mixer_cost(layer, d, 1, 100, 4)["cache_bytes_per_token"] == per_token * 4
+        assert cost.mixer_cost(layer, d, 1, 100, 2)["cache_bytes_per_token"] == per_token * 2
+    gqa = make_model({"g": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2}}).config
+    assert cost.mixer_cost(gqa.layers["g"], gqa.d_model, 1, 100, 4)["cache_bytes_per_token"] == 2 * 2 * 8 * 4
 
 
 def test_sparse_forward_memory_is_bounded_at_8192():
