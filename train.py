@@ -327,214 +327,26 @@ def train(cfg, resume=None, quiet=False, stop_at=None):
 
 
 def _train(cfg, pg, resume, quiet, stop_at):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_optimizer_state_dict)
-    tc, device = cfg.train, pg.device
-    fsdp = pg.enabled and tc.parallel == "fsdp"
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-
-    # data: the stdlib corpus is written once per node (local rank 0), the others wait
-    if cfg.data.kind == "stdlib" and pg.enabled:
-        if pg.local_rank == 0:
-            from data.stdlib import prepare_stdlib
-            prepare_stdlib(cfg.data.dir, quiet=quiet)
-        pg.barrier()
-    data = make_dataset(cfg, pg.rank, pg.world)
-
-    # the checkpoint to resume from: chosen by rank 0, read by every rank (out_dir must be shared)
-    ckpt, path = None, None
-    if resume:
-        path = (latest_checkpoint(tc.out_dir) if resume is True else resume) if pg.main else None
-        path = pg.broadcast(path)
-        if path is None:
-            raise DataError(f"{tc.out_dir}: no checkpoint to resume from (ckpt_*.pt)")
-        ckpt = load_checkpoint(path)
-        check_model_matches(path, ckpt, cfg, verbose=pg.main and not quiet)
-
-    torch.manual_seed(tc.seed)  # same init on every rank
-    module = GPT(cfg.model).to(device)
-    n_params = module.num_params()
-    if ckpt is not None:  # weights before sharding/wrapping: FSDP shards what is loaded
-        try:
-            module.load_state_dict(ckpt["model"])
-        except RuntimeError:
-            raise DataError(f"{path}: the checkpoint's weights do not fit this config's model") from None
-    roles = param_roles(module, tc)
-    fwd = module
-    if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh(device.type, (pg.world,))
-        for block in module.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(module, mesh=mesh)
-        fwd = torch.compile(module) if tc.compile else module
-    else:
-        if tc.compile:
-            fwd = torch.compile(module)
-        if pg.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizers = make_optimizers(module, tc, roles)
-    sd_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-    step, tokens_seen, skipped = 0, 0, 0
-    if ckpt is not None:
-        try:
-            set_optimizer_state_dict(module, optimizers, ckpt["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise DataError(f"{path}: the optimizer state does not fit (train.optimizer={tc.optimizer}?): "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        for opt in optimizers:  # the peak lrs come from this config, not the checkpoint
-            for group in opt.param_groups:
-                group["base_lr"] = tc.muon_lr if isinstance(opt, torch.optim.Muon) else tc.lr
-        same_world = ckpt.get("world_size") == pg.world
-        data.load_state_dict(ckpt["data_per_rank"][pg.rank] if same_world and "data_per_rank" in ckpt
-                             else ckpt["data"])
-        rngs = ckpt.get("rng")
-        if isinstance(rngs, list) and rngs:
-            set_rng_state(rngs[pg.rank] if same_world else rngs[0])
-        elif torch.is_tensor(rngs):  # version 1 checkpoints
-            torch.set_rng_state(rngs)
-        step, tokens_seen, skipped = ckpt["step"], ckpt.get("tokens", 0), ckpt.get("skipped_steps", 0)
-        del ckpt
-
-    if pg.main:
-        os.makedirs(tc.out_dir, exist_ok=True)
-        for stale in glob.glob(os.path.join(tc.out_dir, "ckpt_*.pt.tmp*")):  # left by a kill mid-save
-            os.remove(stale)
-        if not resume and list_checkpoints(tc.out_dir) and not quiet:
-            print(f"warning: {tc.out_dir} already holds checkpoints of an earlier run; --resume continues "
-                  f"from the latest one, this fresh run will replace them as it saves")
-    pg.barrier()
-    if not quiet:
-        kinds = ", ".join(c.kind for c in cfg.model.layer_configs())
-        par = f", {pg.world} ranks ({tc.parallel})" if pg.enabled else ""
-        print(f"model: {n_params / 1e6:.2f}M parameters, {cfg.model.n_layer} layers ({kinds}), device "
-              f"{device.type}{par}, optimizer {tc.optimizer}" + (f", resumed at step {step}" if step else ""))
-        print_cache_bytes(cfg.model, next(module.parameters()).element_size())
-    log = open_metrics(tc.out_dir, step if resume else None) if pg.main else None
-
-    def write(row):
-        if log is not None:
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-
-    def checkpoint():
-        model_sd = get_model_state_dict(module, options=sd_opts)  # collective under FSDP
-        optim_sd = get_optimizer_state_dict(module, optimizers, options=sd_opts)
-        rngs, positions = pg.gather(rng_state()), pg.gather(data.state_dict())
-        if pg.main:
-            save_checkpoint(os.path.join(tc.out_dir, f"ckpt_{step}.pt"), {
-                "version": CKPT_VERSION, "model": model_sd, "optimizer": optim_sd, "step": step,
-                "tokens": tokens_seen, "skipped_steps": skipped, "config": cfg.raw, "world_size": pg.world,
-                "parallel": tc.parallel if pg.enabled else "none", "data": positions[0],
-                "data_per_rank": positions, "rng": rngs})
-            prune_checkpoints(tc.out_dir, tc.keep_last)
-        pg.barrier()
-
-    def evaluate():
-        module.eval()
-        with autocast():
-            metrics = data.evaluate(module, tc.eval_batches, device)
-        module.train()
-        keys = sorted(metrics)  # every rank evaluated its slice of the same global batches
-        vals = pg.sum_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)) / pg.world
-        metrics = dict(zip(keys, vals.tolist()))
-        write({"step": step, **metrics})
-        return metrics
-
-    def sync_grads(last):
-        """Gradient all-reduce / reduce-scatter only on the last micro-step."""
-        if fsdp:
-            module.set_requires_gradient_sync(last)
-            return contextlib.nullcontext()
-        if pg.enabled and not last:
-            return fwd.no_sync()
-        return contextlib.nullcontext()
-
-    flops_per_token = cost.train_flops_per_token(cfg.model, tc.seq_len)
-    peak = cost.peak_flops(device)
-    tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum  # global
-    params = [p for p in module.parameters()]
+    """The loop: one optimizer step at a time, logging, evaluating and checkpointing on schedule."""
+    run = Run(cfg, pg, resume, quiet)
+    tc = cfg.train
     stopper = StopSignal()
-    bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=quiet, dynamic_ncols=True)
-    metrics, t_last, loss_sum, n_sum, n_steps, bad_in_row = {}, time.time(), 0.0, 0, 0, 0
-    aux_sums = {}
-    module.train()
+    bar = tqdm(total=tc.max_steps, initial=run.step, desc="train", unit="step", disable=quiet,
+               dynamic_ncols=True)
+    metrics = {}
     try:
-        while step < tc.max_steps:
-            factor = lr_at(step, tc) / tc.lr
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = group["base_lr"] * factor
-            loss_acc, aux = torch.zeros((), device=device), {}
-            for micro in range(tc.grad_accum):
-                x, y = data.next_batch()
-                with sync_grads(micro == tc.grad_accum - 1):
-                    with autocast():
-                        _, loss = fwd(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-                    (loss / tc.grad_accum).backward()
-                loss_acc += getattr(module, "lm_loss", loss).detach().float() / tc.grad_accum  # LM part only
-                for name, value in getattr(module, "aux_losses", {}).items():
-                    aux[name] = aux.get(name, 0.0) + value.detach().float() / tc.grad_accum
-            # one all-reduce per step: the mean loss over the global batch, aux losses, the stop flag
-            names = sorted(aux)
-            stats = torch.stack([loss_acc, *[aux[n] for n in names],
-                                 torch.tensor(float(stopper.flag), device=device)]).double()
-            stats = pg.sum_(stats).tolist()
-            step_loss = stats[0] / pg.world
-            step_aux = {n: v / pg.world for n, v in zip(names, stats[1:-1])}
-            stop_now = stats[-1] > 0
-            grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(
-                params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))))
-            if math.isfinite(step_loss) and math.isfinite(grad_norm):
-                for opt in optimizers:
-                    opt.step()
-                bad_in_row = 0
-                loss_sum, n_sum = loss_sum + step_loss, n_sum + 1
-                for n, v in step_aux.items():
-                    aux_sums[n] = aux_sums.get(n, 0.0) + v
-            else:  # skip the update; a run of them stops the run
-                skipped, bad_in_row = skipped + 1, bad_in_row + 1
-                if not quiet:
-                    bar.write(f"step {step + 1}: loss {step_loss}, grad norm {grad_norm}: update skipped")
-                if bad_in_row >= tc.max_bad_steps:
-                    raise FloatingPointError(
-                        f"loss or gradient not finite for {bad_in_row} steps in a row (steps "
-                        f"{step + 2 - bad_in_row}..{step + 1}, train.max_bad_steps={tc.max_bad_steps}); "
-                        f"lower train.lr or check the data")
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            step += 1
-            n_steps += 1
-            tokens_seen += tokens_per_step
+        while run.step < tc.max_steps:
+            stop_now = run.train_step(stopper, bar)
+            step = run.step
             bar.update(1)
             if step % tc.log_interval == 0 or step == tc.max_steps:
-                dt = time.time() - t_last
-                tok_s = n_steps * tokens_per_step / dt
-                util = cost.mfu(flops_per_token, tok_s, pg.world, peak)
-                row = {"step": step, "loss": loss_sum / n_sum if n_sum else None, "lr": lr_at(step - 1, tc),
-                       "tokens_per_s": tok_s, "mfu": util, "grad_norm": grad_norm, "tokens": tokens_seen,
-                       "skipped_steps": skipped,
-                       **({n: v / n_sum for n, v in aux_sums.items()} if n_sum else {})}
-                write(row)
-                post = {"loss": f"{row['loss']:.4f}" if n_sum else "nan", "tok_s": f"{tok_s:.0f}"}
-                if util is not None:
-                    post["mfu"] = f"{100 * util:.1f}%"
-                bar.set_postfix(post)
-                t_last, loss_sum, n_sum, n_steps, aux_sums = time.time(), 0.0, 0, 0, {}
+                run.log_train(bar)
             if step % tc.eval_interval == 0 or step == tc.max_steps:
-                metrics = evaluate()
+                metrics = run.evaluate()
                 if not quiet:
                     bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             if step % tc.ckpt_interval == 0 or step == tc.max_steps or step == stop_at or stop_now:
-                checkpoint()
+                run.checkpoint()
             if stop_now:
                 if not quiet:
                     bar.write(f"stopped by a signal after step {step}; checkpoint saved, resume with --resume")
@@ -544,17 +356,280 @@ def _train(cfg, pg, resume, quiet, stop_at):
     finally:
         stopper.restore()
         bar.close()
-        if log is not None:
-            log.close()
-    if (cfg.data.kind != "mqar" and tc.sample_tokens and not quiet and not fsdp and cfg.model.vocab_size >= 257
-            and step == tc.max_steps):
-        from data.stdlib import decode, encode  # byte-level corpus
-        module.eval()
-        prompt = torch.tensor([encode("def ")], device=device)
-        with autocast():
-            out = module.generate(prompt, tc.sample_tokens, temperature=0.8, top_k=50)
-        print("\nsample:\n" + decode(out[0].tolist()))
+        run.close()
+    if tc.sample_tokens and not quiet and run.step == tc.max_steps:
+        run.print_sample()
     return metrics
+
+
+class Run:
+    """One training run on this rank: setup (precision, data, resume checkpoint, model, optimizers,
+    out_dir), then train_step / log_train / evaluate / checkpoint / print_sample, called by _train."""
+
+    def __init__(self, cfg, pg, resume, quiet):
+        self.cfg, self.tc, self.pg, self.quiet, self.device = cfg, cfg.train, pg, quiet, pg.device
+        self.fsdp = pg.enabled and self.tc.parallel == "fsdp"
+        self.setup_precision()
+        self.data = self.setup_data()
+        ckpt, path = self.find_checkpoint(resume)
+        self.setup_model(ckpt, path)
+        self.step, self.tokens_seen, self.skipped = 0, 0, 0
+        if ckpt is not None:
+            self.restore(ckpt, path)
+            del ckpt
+        self.setup_out_dir(resume)
+        self.setup_counters()
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def setup_precision(self):
+        """TF32 on CUDA; bf16 autocast when train.precision asks for it (auto: on CUDA)."""
+        tc, device = self.tc, self.device
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
+        self.autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16
+                         else contextlib.nullcontext)
+
+    def setup_data(self):
+        """This rank's loader; the stdlib corpus is written once per node (local rank 0), others wait."""
+        cfg, pg = self.cfg, self.pg
+        if cfg.data.kind == "stdlib" and pg.enabled:
+            if pg.local_rank == 0:
+                from data.stdlib import prepare_stdlib
+                prepare_stdlib(cfg.data.dir, quiet=self.quiet)
+            pg.barrier()
+        return make_dataset(cfg, pg.rank, pg.world)
+
+    def find_checkpoint(self, resume):
+        """(ckpt, path) to resume from, or (None, None): chosen by rank 0, read by every rank
+        (out_dir must be shared)."""
+        if not resume:
+            return None, None
+        pg, tc = self.pg, self.tc
+        path = (latest_checkpoint(tc.out_dir) if resume is True else resume) if pg.main else None
+        path = pg.broadcast(path)
+        if path is None:
+            raise DataError(f"{tc.out_dir}: no checkpoint to resume from (ckpt_*.pt)")
+        ckpt = load_checkpoint(path)
+        check_model_matches(path, ckpt, self.cfg, verbose=pg.main and not self.quiet)
+        return ckpt, path
+
+    def setup_model(self, ckpt, path):
+        """self.module (the GPT), self.fwd (what the loop calls: compiled / DDP / FSDP) and the optimizers."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        tc, pg, device = self.tc, self.pg, self.device
+        torch.manual_seed(tc.seed)  # same init on every rank
+        module = GPT(self.cfg.model).to(device)
+        self.n_params = module.num_params()
+        if ckpt is not None:  # weights before sharding/wrapping: FSDP shards what is loaded
+            try:
+                module.load_state_dict(ckpt["model"])
+            except RuntimeError:
+                raise DataError(f"{path}: the checkpoint's weights do not fit this config's model") from None
+        roles = param_roles(module, tc)
+        fwd = module
+        if self.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh(device.type, (pg.world,))
+            for block in module.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+            fwd = torch.compile(module) if tc.compile else module
+        else:
+            if tc.compile:
+                fwd = torch.compile(module)
+            if pg.enabled:
+                from torch.nn.parallel import DistributedDataParallel as DDP
+                fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None)
+        self.module, self.fwd = module, fwd
+        self.optimizers = make_optimizers(module, tc, roles)
+        self.sd_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def restore(self, ckpt, path):
+        """Optimizer state, data positions, RNG states and counters from a checkpoint."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        tc, pg = self.tc, self.pg
+        try:
+            set_optimizer_state_dict(self.module, self.optimizers, ckpt["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise DataError(f"{path}: the optimizer state does not fit (train.optimizer={tc.optimizer}?): "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        for opt in self.optimizers:  # the peak lrs come from this config, not the checkpoint
+            for group in opt.param_groups:
+                group["base_lr"] = tc.muon_lr if isinstance(opt, torch.optim.Muon) else tc.lr
+        same_world = ckpt.get("world_size") == pg.world
+        self.data.load_state_dict(ckpt["data_per_rank"][pg.rank] if same_world and "data_per_rank" in ckpt
+                                  else ckpt["data"])
+        rngs = ckpt.get("rng")
+        if isinstance(rngs, list) and rngs:
+            set_rng_state(rngs[pg.rank] if same_world else rngs[0])
+        elif torch.is_tensor(rngs):  # version 1 checkpoints
+            torch.set_rng_state(rngs)
+        self.step, self.tokens_seen, self.skipped = ckpt["step"], ckpt.get("tokens", 0), ckpt.get("skipped_steps", 0)
+
+    def setup_out_dir(self, resume):
+        """out_dir made (rank 0), stale temporary files removed, the start-up report, metrics.jsonl opened."""
+        tc, pg, cfg = self.tc, self.pg, self.cfg
+        if pg.main:
+            os.makedirs(tc.out_dir, exist_ok=True)
+            for stale in glob.glob(os.path.join(tc.out_dir, "ckpt_*.pt.tmp*")):  # left by a kill mid-save
+                os.remove(stale)
+            if not resume and list_checkpoints(tc.out_dir) and not self.quiet:
+                print(f"warning: {tc.out_dir} already holds checkpoints of an earlier run; --resume continues "
+                      f"from the latest one, this fresh run will replace them as it saves")
+        pg.barrier()
+        if not self.quiet:
+            kinds = ", ".join(c.kind for c in cfg.model.layer_configs())
+            par = f", {pg.world} ranks ({tc.parallel})" if pg.enabled else ""
+            print(f"model: {self.n_params / 1e6:.2f}M parameters, {cfg.model.n_layer} layers ({kinds}), device "
+                  f"{self.device.type}{par}, optimizer {tc.optimizer}"
+                  + (f", resumed at step {self.step}" if self.step else ""))
+            print_cache_bytes(cfg.model, next(self.module.parameters()).element_size())
+        self.log = open_metrics(tc.out_dir, self.step if resume else None) if pg.main else None
+
+    def setup_counters(self):
+        tc = self.tc
+        self.flops_per_token = cost.train_flops_per_token(self.cfg.model, tc.seq_len)
+        self.peak = cost.peak_flops(self.device)
+        self.tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum  # global
+        self.params = [p for p in self.module.parameters()]
+        self.t_last, self.loss_sum, self.n_sum, self.n_steps, self.bad_in_row = time.time(), 0.0, 0, 0, 0
+        self.aux_sums, self.grad_norm = {}, None
+        self.module.train()
+
+    def close(self):
+        if self.log is not None:
+            self.log.close()
+
+    # -- one optimizer step -------------------------------------------------------------------------
+
+    def sync_grads(self, last):
+        """Gradient all-reduce / reduce-scatter only on the last micro-step."""
+        if self.fsdp:
+            self.module.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if self.pg.enabled and not last:
+            return self.fwd.no_sync()
+        return contextlib.nullcontext()
+
+    def train_step(self, stopper, bar):
+        """grad_accum micro-steps, one all-reduce of the stats, clip, update (or skip a non-finite one).
+        Returns whether any rank was asked to stop (stopper.flag, read after the micro-steps)."""
+        tc, pg, device, module = self.tc, self.pg, self.device, self.module
+        factor = lr_at(self.step, tc) / tc.lr
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["base_lr"] * factor
+        loss_acc, aux = torch.zeros((), device=device), {}
+        for micro in range(tc.grad_accum):
+            x, y = self.data.next_batch()
+            with self.sync_grads(micro == tc.grad_accum - 1):
+                with self.autocast():
+                    _, loss = self.fwd(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                (loss / tc.grad_accum).backward()
+            loss_acc += getattr(module, "lm_loss", loss).detach().float() / tc.grad_accum  # LM part only
+            for name, value in getattr(module, "aux_losses", {}).items():
+                aux[name] = aux.get(name, 0.0) + value.detach().float() / tc.grad_accum
+        # one all-reduce per step: the mean loss over the global batch, aux losses, the stop flag
+        names = sorted(aux)
+        stats = torch.stack([loss_acc, *[aux[n] for n in names],
+                             torch.tensor(float(stopper.flag), device=device)]).double()
+        stats = pg.sum_(stats).tolist()
+        step_loss = stats[0] / pg.world
+        step_aux = {n: v / pg.world for n, v in zip(names, stats[1:-1])}
+        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(
+            self.params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))))
+        if math.isfinite(step_loss) and math.isfinite(grad_norm):
+            for opt in self.optimizers:
+                opt.step()
+            self.bad_in_row = 0
+            self.loss_sum, self.n_sum = self.loss_sum + step_loss, self.n_sum + 1
+            for n, v in step_aux.items():
+                self.aux_sums[n] = self.aux_sums.get(n, 0.0) + v
+        else:  # skip the update; a run of them stops the run
+            self.skipped, self.bad_in_row = self.skipped + 1, self.bad_in_row + 1
+            if not self.quiet:
+                bar.write(f"step {self.step + 1}: loss {step_loss}, grad norm {grad_norm}: update skipped")
+            if self.bad_in_row >= tc.max_bad_steps:
+                raise FloatingPointError(
+                    f"loss or gradient not finite for {self.bad_in_row} steps in a row (steps "
+                    f"{self.step + 2 - self.bad_in_row}..{self.step + 1}, train.max_bad_steps={tc.max_bad_steps}); "
+                    f"lower train.lr or check the data")
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.n_steps += 1
+        self.tokens_seen += self.tokens_per_step
+        self.grad_norm = grad_norm
+        return stats[-1] > 0
+
+    # -- logging, eval, checkpoint, sample ----------------------------------------------------------
+
+    def write(self, row):
+        if self.log is not None:
+            self.log.write(json.dumps(row) + "\n")
+            self.log.flush()
+
+    def log_train(self, bar):
+        """A metrics.jsonl row with the mean loss and throughput since the last one; the bar's postfix."""
+        dt = time.time() - self.t_last
+        tok_s = self.n_steps * self.tokens_per_step / dt
+        util = cost.mfu(self.flops_per_token, tok_s, self.pg.world, self.peak)
+        n_sum = self.n_sum
+        row = {"step": self.step, "loss": self.loss_sum / n_sum if n_sum else None,
+               "lr": lr_at(self.step - 1, self.tc), "tokens_per_s": tok_s, "mfu": util,
+               "grad_norm": self.grad_norm, "tokens": self.tokens_seen, "skipped_steps": self.skipped,
+               **({n: v / n_sum for n, v in self.aux_sums.items()} if n_sum else {})}
+        self.write(row)
+        post = {"loss": f"{row['loss']:.4f}" if n_sum else "nan", "tok_s": f"{tok_s:.0f}"}
+        if util is not None:
+            post["mfu"] = f"{100 * util:.1f}%"
+        bar.set_postfix(post)
+        self.t_last, self.loss_sum, self.n_sum, self.n_steps, self.aux_sums = time.time(), 0.0, 0, 0, {}
+
+    def evaluate(self):
+        module, pg = self.module, self.pg
+        module.eval()
+        with self.autocast():
+            metrics = self.data.evaluate(module, self.tc.eval_batches, self.device)
+        module.train()
+        keys = sorted(metrics)  # every rank evaluated its slice of the same global batches
+        vals = pg.sum_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)) / pg.world
+        metrics = dict(zip(keys, vals.tolist()))
+        self.write({"step": self.step, **metrics})
+        return metrics
+
+    def checkpoint(self):
+        """Full (unsharded) model and optimizer state, every rank's RNG and data position; rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        tc, pg = self.tc, self.pg
+        model_sd = get_model_state_dict(self.module, options=self.sd_opts)  # collective under FSDP
+        optim_sd = get_optimizer_state_dict(self.module, self.optimizers, options=self.sd_opts)
+        rngs, positions = pg.gather(rng_state()), pg.gather(self.data.state_dict())
+        if pg.main:
+            save_checkpoint(os.path.join(tc.out_dir, f"ckpt_{self.step}.pt"), {
+                "version": CKPT_VERSION, "model": model_sd, "optimizer": optim_sd, "step": self.step,
+                "tokens": self.tokens_seen, "skipped_steps": self.skipped, "config": self.cfg.raw,
+                "world_size": pg.world, "parallel": tc.parallel if pg.enabled else "none",
+                "data": positions[0], "data_per_rank": positions, "rng": rngs})
+            prune_checkpoints(tc.out_dir, tc.keep_last)
+        pg.barrier()
+
+    def print_sample(self):
+        """The end-of-training sample (byte-level text corpora only)."""
+        cfg = self.cfg
+        if cfg.data.kind == "mqar" or self.fsdp or cfg.model.vocab_size < 257:
+            return
+        from data.stdlib import decode, encode  # byte-level corpus
+        self.module.eval()
+        prompt = torch.tensor([encode("def ")], device=self.device)
+        with self.autocast():
+            out = self.module.generate(prompt, self.tc.sample_tokens, temperature=0.8, top_k=50)
+        print("\nsample:\n" + decode(out[0].tolist()))
 
 
 def main(argv=None):
