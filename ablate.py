@@ -41,6 +41,7 @@ import evals
 from config import ROOT, apply_override, from_raw, read_yaml
 from data.tokens import DataError, write_json
 from model import ConfigError
+from plot import loss_curves, read_metrics  # noqa: F401  (read_metrics: ablate.read_metrics)
 
 SWEEP_KEYS = {"base": "path of the base config", "out_dir": "sweep folder", "seeds": "list of ints",
               "overrides": "list of dotted overrides for every variant", "variants": "name -> list of overrides",
@@ -115,6 +116,10 @@ def load_sweep(path):
             if k not in evals.eval_options(name):
                 raise SweepError(f"{path}: evals.{name}.{k}: unknown option; allowed: "
                                  f"{', '.join(evals.eval_options(name))}")
+        try:  # values too, with the defaults they run with
+            evals.check_options(name, {**evals.eval_options(name), **opts})
+        except ValueError as e:
+            raise SweepError(f"{path}: {e}") from None
     out_dir = raw.get("out_dir") or os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
     if not isinstance(out_dir, str):
         raise SweepError(f"{path}: out_dir: must be a folder path (got {out_dir!r})")
@@ -157,23 +162,6 @@ def run_dir(sweep, variant, seed):
 
 # ----------------------------------------------------------------------------------------------
 # one run
-
-
-def read_metrics(folder):
-    """metrics.jsonl rows, deduplicated: a resumed run re-logs steps after its last checkpoint, the
-    later line wins."""
-    path = os.path.join(folder, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    rows = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill
-                continue
-            rows[(r["step"], "loss" in r)] = r
-    return [rows[k] for k in sorted(rows)]
 
 
 def decode_ms_per_token(model, ctx, n=32):
@@ -354,23 +342,10 @@ def make_plots(sweep, results):
         plt.close(fig)
         made.append(name)
 
-    # training loss and the eval metric over steps
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for variant, rs in results.items():
-        m = read_metrics(run_dir(sweep, variant, rs[0]["seed"]))
-        tr = [r for r in m if "loss" in r]
-        ev = [r for r in m if "loss" not in r]
-        line, = axes[0].plot([r["step"] for r in tr], [r["loss"] for r in tr], label=variant)
-        key = "val_acc" if ev and "val_acc" in ev[0] else "val_loss"
-        axes[1].plot([r["step"] for r in ev], [r.get(key) for r in ev], marker="o", color=line.get_color(),
-                     label=variant)
-        axes[1].set_ylabel(key)
-    axes[0].set_ylabel("train loss")
-    for ax in axes:
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    save(fig, "loss_curves.png")
+    # training loss and the eval metric over steps (plot.py, also for single runs)
+    loss_curves({variant: read_metrics(run_dir(sweep, variant, rs[0]["seed"])) for variant, rs in results.items()},
+                os.path.join(out, "loss_curves.png"))
+    made.append("loss_curves.png")
 
     # MQAR accuracy by recall distance
     if any("by_distance" in r["evals"].get("mqar", {}) for rs in results.values() for r in rs):

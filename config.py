@@ -66,6 +66,7 @@ class TrainConfig:
     compile: bool = False               # torch.compile the model
     keep_last: int = 3                  # checkpoints kept in out_dir (older ones are deleted)
     max_bad_steps: int = 5              # non-finite losses in a row before the run stops
+    threads: int = 0                    # torch CPU threads (0 = torch's default: OMP_NUM_THREADS or all cores)
 
     def check(self, path, model):
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_interval",
@@ -78,6 +79,8 @@ class TrainConfig:
         for key in ("beta1", "beta2"):
             require(0 <= getattr(self, key) < 1, f"{path}.{key}", "in [0, 1)", getattr(self, key))
         require(self.grad_clip >= 0, f"{path}.grad_clip", ">= 0 (0 = off)", self.grad_clip)
+        require(isinstance(self.threads, int) and not isinstance(self.threads, bool) and self.threads >= 0,
+                f"{path}.threads", "an integer >= 0 (0 = torch's default)", self.threads)
         require(self.sample_tokens >= 0, f"{path}.sample_tokens", "an integer >= 0", self.sample_tokens)
         require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                 f"{path}.device", "auto, cpu, cuda or cuda:N", self.device)
@@ -119,7 +122,15 @@ def read_yaml(path):
         with open(path) as f:
             raw = yaml.safe_load(f)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        start = getattr(e, "context_mark", None)
+        if start is not None and getattr(e, "context", None):
+            problem += f" ({e.context} at line {start.line + 1}, column {start.column + 1})"
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config ({e})") from None
     return raw if raw is not None else {}
 
 
@@ -144,9 +155,13 @@ def load_config(path=None, overrides=()):
 
 
 def split_args(argv):
-    """Split argv into (config path or None, dotted overrides, other args)."""
+    """Split argv into (config path or None, dotted overrides, other args). `--a.b value` (a space
+    instead of `=`) is refused with a hint at the `=` form."""
     path, overrides, rest = None, [], []
-    for a in argv:
+    for i, a in enumerate(argv):
+        if a.startswith("--") and "=" not in a and "." in a:
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "VALUE"
+            raise ConfigError(f"{a}: an override needs '=' (no space): {a}={value}")
         if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0]:
             overrides.append(a)
         elif not a.startswith("-") and a.endswith((".yaml", ".yml")) and path is None:

@@ -23,6 +23,7 @@ Cache bytes (SPEC 6): attention L_eff*2*Hkv*D (L_eff = min(L, W)); MLA L*(d_c + 
 the DSA indexer); delta rule H*K*V*4 + conv state (conv_size-1)*(2HK+HV), independent of L.
 """
 import argparse
+import os
 import math
 import sys
 from types import SimpleNamespace
@@ -276,17 +277,21 @@ def report(model_cfg, seq_len, ctx, dtype_bytes=2):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="a YAML config (configs/x.yaml)")
+    p.add_argument("config", nargs="?", default=None, help="a YAML config (default: configs/default.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. --model.n_layer=4")
     p.add_argument("--seq_len", type=int, default=None, help="training sequence length (default: the config's)")
     p.add_argument("--ctx", type=int, default=32768, help="context for the per-layer decode columns")
     p.add_argument("--dtype_bytes", type=int, default=2, help="bytes per weight / cache element (2 = bf16)")
     args, extra = p.parse_known_args(argv)
-    from config import load_config
+    from config import DEFAULT_CONFIG, load_config, split_args
     from model import ConfigError
-    overrides = list(args.overrides) + extra
     try:
-        bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
+        for name, ok, allowed in [("seq_len", args.seq_len is None or args.seq_len >= 1, ">= 1"),
+                                  ("ctx", args.ctx >= 1, ">= 1"),
+                                  ("dtype_bytes", args.dtype_bytes in (1, 2, 4), "1, 2 or 4")]:
+            if not ok:
+                raise ConfigError(f"--{name}: must be {allowed} (got {getattr(args, name)})")
+        _, overrides, bad = split_args(list(args.overrides) + extra)
         if bad:
             raise ConfigError(f"{bad[0]}: overrides look like --section.key=value")
         cfg = load_config(args.config, overrides)
@@ -294,7 +299,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     seq_len = args.seq_len or cfg.train.seq_len
-    print(f"{args.config}: {human(num_params(cfg.model))} parameters, "
+    print(f"{args.config or os.path.relpath(DEFAULT_CONFIG)}: {human(num_params(cfg.model))} parameters, "
           f"{human(train_flops_per_token(cfg.model, seq_len))} training FLOPs/token at seq_len {seq_len}, "
           f"{args.dtype_bytes}-byte weights and cache\n")
     print(report(cfg.model, seq_len, args.ctx, args.dtype_bytes))

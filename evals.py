@@ -291,9 +291,15 @@ def streaming_logits(model, x, budget=None, n_sinks=4):
 def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4):
     """StreamingLLM (seed 004): perplexity on streams of factor x the training length for a full
     cache, a recent window of `budget` keys, and n_sinks first tokens + the most recent budget -
-    n_sinks keys (positions inside the cache, keys re-rotated). Global attention layers only."""
+    n_sinks keys (positions inside the cache, keys re-rotated). Evicts from global softmax attention
+    layers (kind attn without a window) only; MLA layers are not supported."""
+    kinds = [b.mixer.cfg.kind for b in model.blocks]
+    if "mla" in kinds:
+        raise ValueError("evals.streaming: evicts only from global softmax attention layers (kind attn "
+                         "without a window); this model has MLA layers, which it does not support")
     if not any(isinstance(b.mixer, Attention) and b.mixer.cfg.window is None for b in model.blocks):
-        raise ValueError("streaming: the model has no global attention layer to evict from")
+        raise ValueError(f"evals.streaming: evicts only from global softmax attention layers (kind attn "
+                         f"without a window); this model's layers are {', '.join(sorted(set(kinds)))}")
     L = int(factor * cfg.train.seq_len)
     if _is_text(cfg):
         x, y = _text_batch(cfg, n_seqs, L, offset=12345)
@@ -313,13 +319,48 @@ EVALS = {"val": eval_val, "mqar": eval_mqar, "needle": eval_needle, "length": ev
          "streaming": eval_streaming}
 
 
-def run_eval(name, model, cfg, options=None):
-    """Run eval `name` with a dict of options (checked against the function's keyword arguments)."""
-    fn = EVALS[name]
+def _at_least(lo):
+    return (lambda v: v >= lo), f">= {lo}"
+
+
+_POSITIVE = _at_least(1)
+_ABOVE_0 = ((lambda v: v > 0), "> 0")
+# option -> (test, what is allowed), per eval; tuples are tested element by element
+OPTION_RULES = {
+    "val": {"n_batches": _POSITIVE},
+    "mqar": {"n_batches": _POSITIVE, "batch_size": _POSITIVE, "seq_len": _at_least(0), "n_pairs": _at_least(0)},
+    "needle": {"factors": _ABOVE_0, "depths": ((lambda v: 0 <= v <= 1), "in [0, 1]"), "n_trials": _POSITIVE},
+    "length": {"factor": ((lambda v: v >= 1), ">= 1 (a multiple of the training length)"),
+               "n_seqs": _POSITIVE, "n_buckets": _POSITIVE},
+    "streaming": {"factor": _ABOVE_0, "budget": _POSITIVE, "n_sinks": _at_least(0), "n_seqs": _POSITIVE},
+}
+
+
+def check_options(name, options, cfg=None):
+    """Refuse (ValueError, one line) an unknown option, a value out of range, or an eval that does not
+    apply to the checkpoint's data (cfg); run before anything is computed."""
     allowed = eval_options(name)
-    for key in options or {}:
+    for key, value in options.items():
         if key not in allowed:
-            raise KeyError(f"evals.{name}.{key}: unknown option; allowed: {', '.join(allowed)}")
+            raise ValueError(f"evals.{name}.{key}: unknown option; allowed: {', '.join(allowed)}")
+        test, what = OPTION_RULES[name].get(key, ((lambda v: True), ""))
+        values = value if isinstance(value, (tuple, list)) else [value]
+        if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and test(v)
+                                 for v in values):
+            raise ValueError(f"evals.{name}.{key}: must be {what}{' (each)' if isinstance(value, (tuple, list)) else ''}"
+                             f" (got {value!r})")
+    if name == "streaming" and options.get("n_sinks", 4) >= options.get("budget", 64):
+        raise ValueError(f"evals.streaming.budget: must be larger than n_sinks={options.get('n_sinks', 4)} "
+                         f"(got {options.get('budget', 64)})")
+    if cfg is not None and name == "mqar" and _is_text(cfg):
+        raise ValueError(f"evals.mqar: the checkpoint was trained on data.kind {cfg.data.kind}, not mqar; "
+                         f"use val, needle, length or streaming")
+
+
+def run_eval(name, model, cfg, options=None):
+    """Run eval `name` with a dict of options (checked first: check_options)."""
+    fn = EVALS[name]
+    check_options(name, options or {}, cfg)
     model.eval()
     return fn(model, cfg, **(options or {}))
 
@@ -348,11 +389,18 @@ def _parse_value(default):
     return type(default)
 
 
+def first_sentence(doc):
+    """The first sentence of a docstring, on one line."""
+    text = " ".join(doc.split())
+    end = text.find(". ")
+    return text if end < 0 else text[:end + 1]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="eval", required=True, metavar="EVAL", help=", ".join(EVALS))
     for name, fn in EVALS.items():
-        sp = sub.add_parser(name, help=fn.__doc__.split("\n")[0], description=fn.__doc__)
+        sp = sub.add_parser(name, help=first_sentence(fn.__doc__), description=fn.__doc__)
         sp.add_argument("--ckpt", required=True, help="checkpoint file or run folder (latest ckpt_*.pt)")
         sp.add_argument("--device", default="cpu")
         sp.add_argument("--json", action="store_true", help="print the whole result as JSON")
@@ -364,8 +412,10 @@ def main(argv=None):
     from model import ConfigError
     from sample import load_model
     try:
-        model, cfg = load_model(args.ckpt, args.device)
         options = {k: getattr(args, k) for k in eval_options(args.eval)}
+        check_options(args.eval, options)
+        from train import pick_device
+        model, cfg = load_model(args.ckpt, pick_device(args.device, "--device"))
         result = run_eval(args.eval, model, cfg, options)
     except (ConfigError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -355,6 +355,9 @@ class Attention(nn.Module):
             cache.k[:, :, pos:pos + T] = k.transpose(1, 2)
             cache.v[:, :, pos:pos + T] = v.transpose(1, 2)
             return cache.k[:, :, :pos + T].transpose(1, 2), cache.v[:, :, :pos + T].transpose(1, 2)
+        if pos + T > slots and slots < self.cfg.window:  # the context outgrew max_len: keep the window
+            self.grow_ring(cache, pos)
+            slots = cache.k.shape[2]
         # ring buffer: position p lives in slot p % slots; the first new query still sees the
         # window-1 tokens before it, which are all still in the ring.
         n_old = min(pos, self.cfg.window - 1, slots)
@@ -366,6 +369,17 @@ class Attention(nn.Module):
         cache.k[:, :, new] = k[:, T - n_new:].transpose(1, 2)
         cache.v[:, :, new] = v[:, T - n_new:].transpose(1, 2)
         return k_all, v_all
+
+
+    def grow_ring(self, cache, pos):
+        """A ring made for max_len < window slots, grown to `window` slots (positions 0..pos-1 kept),
+        so a windowed layer sees its whole window whatever max_len the cache was made for."""
+        slots, window = cache.k.shape[2], self.cfg.window
+        k = cache.k.new_zeros(*cache.k.shape[:2], window, cache.k.shape[3])
+        v = torch.zeros_like(k)
+        held = torch.arange(max(0, pos - slots), pos, device=k.device)
+        k[:, :, held % window], v[:, :, held % window] = cache.k[:, :, held % slots], cache.v[:, :, held % slots]
+        cache.k, cache.v = k, v
 
 
 MIXERS["attn"] = (AttnConfig, Attention)

@@ -34,16 +34,44 @@ def load_model(path, device="cpu"):
     return model.to(device).eval(), cfg
 
 
-def make_codec(vocab_size, tokenizer):
-    """(encode, decode) for the checkpoint's vocabulary."""
+def make_codec(cfg, tokenizer):
+    """(encode, decode) for the checkpoint: --tokenizer if given, else its corpus's own tokenizer
+    (bytes for stdlib, the manifest's encoding for prepared shards)."""
+    from data import corpus_codec
+    from data.prepare import get_encoding
     if tokenizer is None:
-        if vocab_size < 256:
-            raise ConfigError(f"model.vocab_size={vocab_size} is not byte-level; pass --tokenizer NAME (tiktoken)")
-        from data.stdlib import decode, encode
-        return encode, decode
-    import tiktoken
-    enc = tiktoken.get_encoding(tokenizer)
+        codec, why = corpus_codec(cfg)
+        if codec is None:
+            raise ConfigError(f"no tokenizer for this checkpoint ({why}); pass --tokenizer NAME (tiktoken or bytes)")
+        return codec
+    enc = get_encoding(tokenizer)
+    if enc.n_vocab > cfg.model.vocab_size:
+        raise ConfigError(f"--tokenizer {tokenizer}: {enc.n_vocab} tokens, more than the model's vocab_size "
+                          f"{cfg.model.vocab_size}")
     return (lambda s: enc.encode(s, allowed_special="all")), enc.decode
+
+
+def unbounded_layers(cfg):
+    """Kinds of the layers whose decode cache must hold the whole context (global attention, MLA)."""
+    kinds = {lc.kind for lc in cfg.model.layer_configs() if lc.kind == "mla"
+             or (lc.kind == "attn" and getattr(lc, "window", None) is None)}
+    return sorted(kinds)
+
+
+def read_prompt(args):
+    """The prompt text from --prompt_file or --prompt; not UTF-8 is one ConfigError line."""
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--prompt_file {args.prompt_file}: not UTF-8 text (byte {e.start}: "
+                              f"{e.object[e.start:e.start + 1]!r})") from None
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise ConfigError("--prompt: not UTF-8 text (check the terminal's encoding, or use --prompt_file)") from None
+    return args.prompt
 
 
 def main(argv=None):
@@ -70,17 +98,26 @@ def main(argv=None):
         if not ok:
             print(f"error: --{name} must be {allowed} (got {getattr(args, name)})", file=sys.stderr)
             return 2
+    if args.cache_len is not None and args.cache_len < 1:
+        print(f"error: --cache_len must be >= 1 (got {args.cache_len})", file=sys.stderr)
+        return 2
     try:
+        from train import pick_device
+        args.device = pick_device(args.device, "--device")
+        args.prompt = read_prompt(args)
         model, cfg = load_model(args.ckpt, args.device)
-        encode, decode = make_codec(cfg.model.vocab_size, args.tokenizer)
-        if args.prompt_file:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                args.prompt = f.read()
+        encode, decode = make_codec(cfg, args.tokenizer)
         prompt = encode(args.prompt)
         if not prompt:
             raise ConfigError("--prompt: must not be empty")
         if max(prompt) >= cfg.model.vocab_size:
             raise ConfigError(f"--prompt: token {max(prompt)} is outside the model's vocabulary ({cfg.model.vocab_size})")
+        context = len(prompt) + args.max_new_tokens - 1  # the last new token is never fed back
+        if args.cache_len is not None and context > args.cache_len and unbounded_layers(cfg):
+            raise ConfigError(f"--cache_len {args.cache_len}: the context is {context} tokens (prompt "
+                              f"{len(prompt)} + --max_new_tokens {args.max_new_tokens} - 1) and the model's "
+                              f"{', '.join(unbounded_layers(cfg))} layers keep every token; raise --cache_len "
+                              f"or lower --max_new_tokens")
     except (ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

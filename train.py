@@ -4,14 +4,15 @@
     python train.py configs/kimi_linear.yaml --train.max_steps=200 --model.n_layer=4
     python train.py configs/x.yaml --resume           # continue from the latest checkpoint in out_dir
     python train.py configs/x.yaml --resume=path/to/ckpt.pt
+    python train.py configs/x.yaml --overwrite        # start over in an out_dir holding another run
     torchrun --standalone --nproc_per_node=8 train.py configs/x.yaml [--train.parallel=fsdp]
 
 train.batch_size is the GLOBAL micro-batch: each of the W ranks reads batch_size / W sequences of it,
 so a run gives the same losses on 1, 2 or 8 ranks. Only rank 0 prints and writes files.
 
 Writes <out_dir>/metrics.jsonl (one JSON object per log or eval step) and <out_dir>/ckpt_<step>.pt
-(the last train.keep_last of them). SIGTERM or SIGUSR1: the current step finishes, a checkpoint is
-saved, the process exits 0 (resume with --resume).
+(the last train.keep_last of them). SIGTERM, SIGUSR1 or Ctrl-C: the current step finishes, a checkpoint
+is saved, the process exits 0 (resume with --resume); a second Ctrl-C aborts at once (exit 130).
 """
 import contextlib
 import glob
@@ -93,11 +94,14 @@ def make_optimizer(model, tc):
 # Devices and processes
 
 
-def pick_device(name):
+def pick_device(name, what="train.device"):
+    """auto -> cuda if available else cpu; cuda without CUDA, or an unknown device, is a ConfigError."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ConfigError(f"{what}: one of auto, cpu, cuda, cuda:N (got {name})")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device: {name} asked for but CUDA is not available; use cpu or auto")
+        raise ConfigError(f"{what}: {name} asked for but CUDA is not available; use cpu or auto")
     return name
 
 
@@ -192,6 +196,18 @@ def load_checkpoint(path):
     return ckpt
 
 
+def earlier_intact_checkpoint(out_dir, bad):
+    """The latest checkpoint in out_dir before `bad` that loads, or None."""
+    paths = [p for p in list_checkpoints(out_dir) if checkpoint_step(p) < checkpoint_step(bad)]
+    for p in reversed(paths):
+        try:
+            load_checkpoint(p)
+            return p
+        except DataError:
+            continue
+    return None
+
+
 def _flatten(d, prefix):
     out = {}
     for k, v in d.items():
@@ -253,8 +269,11 @@ def set_rng_state(state):
 
 def open_metrics(out_dir, resume_step):
     """metrics.jsonl for appending; on resume, rows past the checkpoint's step (written before a kill)
-    and a torn last line are dropped first, so the file reads as one uninterrupted run."""
+    and a torn last line are dropped first, so the file reads as one uninterrupted run. A fresh run
+    (resume_step None) starts the file anew: rows of an earlier run are never mixed in."""
     path = os.path.join(out_dir, "metrics.jsonl")
+    if resume_step is None:
+        return open(path, "w")
     if resume_step is not None and os.path.exists(path):
         keep = []
         with open(path) as f:
@@ -273,9 +292,10 @@ def open_metrics(out_dir, resume_step):
 
 
 class StopSignal:
-    """SIGTERM / SIGUSR1 set a flag; the loop finishes its step, saves and exits 0."""
+    """SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) set a flag; the loop finishes its step, saves and exits 0.
+    A second Ctrl-C aborts at once (KeyboardInterrupt; the last checkpoint stays intact)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self):
         self.flag, self.old = False, {}
@@ -286,6 +306,8 @@ class StopSignal:
                 pass
 
     def handle(self, signum, frame):
+        if signum == signal.SIGINT and self.flag:
+            raise KeyboardInterrupt
         self.flag = True
 
     def restore(self):
@@ -315,23 +337,29 @@ def print_cache_bytes(mcfg, dtype_bytes):
             print(f"cache: {name} ({lc.kind}) {two - one:,.0f} bytes/token/layer ({dtype_bytes}-byte){cap}")
 
 
-def train(cfg, resume=None, quiet=False, stop_at=None):
+def train(cfg, resume=None, quiet=False, stop_at=None, overwrite=False):
     """Run training for `cfg`; returns the final metrics dict. stop_at: stop after that step (as if
-    interrupted: the schedule still runs to max_steps). Under torchrun every rank calls this."""
+    interrupted: the schedule still runs to max_steps). A fresh run (no resume) into an out_dir that
+    holds checkpoints is refused unless overwrite (which deletes them). Under torchrun every rank
+    calls this."""
     tc = cfg.train
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
     pg = Dist(tc)
     try:
-        return _train(cfg, pg, resume, quiet or not pg.main, stop_at)
+        return _train(cfg, pg, resume, quiet, stop_at, overwrite)
     finally:
         pg.close()
 
 
-def _train(cfg, pg, resume, quiet, stop_at):
-    """The loop: one optimizer step at a time, logging, evaluating and checkpointing on schedule."""
-    run = Run(cfg, pg, resume, quiet)
+def _train(cfg, pg, resume, quiet, stop_at, overwrite=False):
+    """The loop: one optimizer step at a time, logging, evaluating and checkpointing on schedule.
+    quiet: no output on any rank (otherwise rank 0 prints)."""
+    run = Run(cfg, pg, resume, quiet or not pg.main, overwrite)
+    loud = not quiet
     tc = cfg.train
     stopper = StopSignal()
-    bar = tqdm(total=tc.max_steps, initial=run.step, desc="train", unit="step", disable=quiet,
+    bar = tqdm(total=tc.max_steps, initial=run.step, desc="train", unit="step", disable=run.quiet,
                dynamic_ncols=True)
     metrics = {}
     try:
@@ -343,12 +371,12 @@ def _train(cfg, pg, resume, quiet, stop_at):
                 run.log_train(bar)
             if step % tc.eval_interval == 0 or step == tc.max_steps:
                 metrics = run.evaluate()
-                if not quiet:
+                if not run.quiet:
                     bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             if step % tc.ckpt_interval == 0 or step == tc.max_steps or step == stop_at or stop_now:
                 run.checkpoint()
             if stop_now:
-                if not quiet:
+                if not run.quiet:
                     bar.write(f"stopped by a signal after step {step}; checkpoint saved, resume with --resume")
                 break
             if step == stop_at:
@@ -357,8 +385,8 @@ def _train(cfg, pg, resume, quiet, stop_at):
         stopper.restore()
         bar.close()
         run.close()
-    if tc.sample_tokens and not quiet and run.step == tc.max_steps:
-        run.print_sample()
+    if tc.sample_tokens and loud and run.step == tc.max_steps:
+        run.print_sample()  # every rank takes part (FSDP gathers the weights); rank 0 prints
     return metrics
 
 
@@ -366,9 +394,10 @@ class Run:
     """One training run on this rank: setup (precision, data, resume checkpoint, model, optimizers,
     out_dir), then train_step / log_train / evaluate / checkpoint / print_sample, called by _train."""
 
-    def __init__(self, cfg, pg, resume, quiet):
+    def __init__(self, cfg, pg, resume, quiet, overwrite=False):
         self.cfg, self.tc, self.pg, self.quiet, self.device = cfg, cfg.train, pg, quiet, pg.device
         self.fsdp = pg.enabled and self.tc.parallel == "fsdp"
+        self.check_out_dir(resume, overwrite)
         self.setup_precision()
         self.data = self.setup_data()
         ckpt, path = self.find_checkpoint(resume)
@@ -381,6 +410,32 @@ class Run:
         self.setup_counters()
 
     # -- setup ------------------------------------------------------------------------------------
+
+    def check_out_dir(self, resume, overwrite):
+        """Refuse (every rank, before any work) an out_dir that is a file or not writable, and a fresh
+        run into one that holds another run's checkpoints (--resume continues it, --overwrite deletes)."""
+        out = self.tc.out_dir
+        problem = None
+        if self.pg.main:
+            existing = os.path.abspath(out)
+            while not os.path.exists(existing):
+                existing = os.path.dirname(existing)
+            if not os.path.isdir(existing):
+                problem = f"train.out_dir: {existing} is a file, not a folder; pick another train.out_dir"
+            elif not os.access(existing, os.W_OK | os.X_OK):
+                problem = f"train.out_dir: {existing} is not writable; pick another train.out_dir"
+            elif not resume and list_checkpoints(out):
+                if overwrite:
+                    for p in list_checkpoints(out):
+                        os.remove(p)
+                else:
+                    latest = os.path.basename(list_checkpoints(out)[-1])
+                    problem = (f"train.out_dir: {out} already holds the checkpoints of another run (latest "
+                               f"{latest}); continue it with --resume, start over with --overwrite (deletes "
+                               f"them), or pick another train.out_dir")
+        problem = self.pg.broadcast(problem)
+        if problem:
+            raise DataError(problem)
 
     def setup_precision(self):
         """TF32 on CUDA; bf16 autocast when train.precision asks for it (auto: on CUDA)."""
@@ -412,7 +467,14 @@ class Run:
         path = pg.broadcast(path)
         if path is None:
             raise DataError(f"{tc.out_dir}: no checkpoint to resume from (ckpt_*.pt)")
-        ckpt = load_checkpoint(path)
+        try:
+            ckpt = load_checkpoint(path)
+        except DataError as e:
+            intact = earlier_intact_checkpoint(tc.out_dir, path) if resume is True else None
+            if intact is None:
+                raise
+            raise DataError(f"{e}; the earlier {intact} is intact: resume from it with --resume={intact} "
+                            f"(and delete {path})") from None
         check_model_matches(path, ckpt, self.cfg, verbose=pg.main and not self.quiet)
         return ckpt, path
 
@@ -478,9 +540,6 @@ class Run:
             os.makedirs(tc.out_dir, exist_ok=True)
             for stale in glob.glob(os.path.join(tc.out_dir, "ckpt_*.pt.tmp*")):  # left by a kill mid-save
                 os.remove(stale)
-            if not resume and list_checkpoints(tc.out_dir) and not self.quiet:
-                print(f"warning: {tc.out_dir} already holds checkpoints of an earlier run; --resume continues "
-                      f"from the latest one, this fresh run will replace them as it saves")
         pg.barrier()
         if not self.quiet:
             kinds = ", ".join(c.kind for c in cfg.model.layer_configs())
@@ -620,42 +679,79 @@ class Run:
         pg.barrier()
 
     def print_sample(self):
-        """The end-of-training sample (byte-level text corpora only)."""
+        """The end-of-training sample of a text corpus, decoded with the corpus's own tokenizer
+        (bytes for stdlib; a prepared corpus's manifest names it); or a line saying why there is none.
+        Under FSDP the full weights are gathered (every rank) and rank 0 samples from a plain copy."""
+        from data import corpus_codec
         cfg = self.cfg
-        if cfg.data.kind == "mqar" or self.fsdp or cfg.model.vocab_size < 257:
+        if cfg.data.kind == "mqar":
             return
-        from data.stdlib import decode, encode  # byte-level corpus
-        self.module.eval()
-        prompt = torch.tensor([encode("def ")], device=self.device)
+        model = self.module
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+            full = get_model_state_dict(self.module, options=self.sd_opts)  # collective
+            if not self.pg.main:
+                return
+            model = GPT(cfg.model).to(self.device)
+            model.load_state_dict(full)
+        if not self.pg.main:
+            return
+        codec, why = corpus_codec(cfg)
+        if codec is None:
+            print(f"\nno sample: {why}")
+            return
+        encode, decode = codec
+        model.eval()
+        prompt = torch.tensor([encode("def " if cfg.data.kind == "stdlib" else "The ")], device=self.device)
         with self.autocast():
-            out = self.module.generate(prompt, self.tc.sample_tokens, temperature=0.8, top_k=50)
+            out = model.generate(prompt, self.tc.sample_tokens, temperature=0.8, top_k=50)
         print("\nsample:\n" + decode(out[0].tolist()))
+
+
+def report_error(message):
+    """One `error: ...` line on stderr, from rank 0 only under torchrun; there it also goes into
+    torchrun's error file, so the launcher's failure summary ends with this line, not a traceback."""
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # rank 0's timestamp is the earliest: torchrun shows it as the root cause
+        data = {"message": {"message": f"error: {message}",
+                            "extraInfo": {"py_callstack": f"error: {message}",
+                                          "timestamp": str(int(time.time()) - (rank == 0))}}}
+        with contextlib.suppress(OSError):
+            with open(error_file, "w") as f:
+                json.dump(data, f)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    path, overrides, rest = split_args(argv)
-    resume = None
-    for a in rest:
-        if a in ("-h", "--help"):
-            print(USAGE)
-            return 0
-        if a == "--resume":
-            resume = True
-        elif a.startswith("--resume="):
-            resume = a.split("=", 1)[1]
-        else:
-            print(f"error: unknown argument {a!r}; see python train.py --help", file=sys.stderr)
-            return 2
+    resume, overwrite = None, False
     try:
+        path, overrides, rest = split_args(argv)
+        for a in rest:
+            if a in ("-h", "--help"):
+                print(USAGE)
+                return 0
+            if a == "--resume":
+                resume = True
+            elif a.startswith("--resume="):
+                resume = a.split("=", 1)[1]
+            elif a == "--overwrite":
+                overwrite = True
+            else:
+                raise ConfigError(f"unknown argument {a!r}; see python train.py --help")
         cfg = load_config(path, overrides)
-        train(cfg, resume)
+        train(cfg, resume, overwrite=overwrite)
     except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_error(e)
         return 2
     except FloatingPointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_error(e)
         return 1
+    except KeyboardInterrupt:
+        report_error("interrupted by a second Ctrl-C; the last checkpoint saved is intact (--resume)")
+        return 130
     return 0
 
 

@@ -81,6 +81,31 @@ class MQARData:
         return {"val_loss": sum(losses) / len(losses), "val_acc": sum(accs) / len(accs)}
 
 
+def corpus_codec(cfg):
+    """((encode, decode), None) for the text corpus of `cfg`, or (None, why not): byte-level for the
+    stdlib corpus and for shards prepared with --tokenizer bytes, else the tiktoken encoding that
+    data/prepare.py recorded in the corpus's manifest.json."""
+    from data.stdlib import decode, encode
+    if cfg.data.kind == "stdlib":
+        return (encode, decode), None
+    if cfg.data.kind != "bin":
+        return None, f"data.kind {cfg.data.kind} is not text"
+    import json
+    import os
+    manifest = os.path.join(cfg.data.dir, "manifest.json")
+    try:
+        with open(manifest) as f:
+            name = json.load(f)["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, f"{manifest} (written by data/prepare.py) is missing or names no tokenizer"
+    from data.prepare import get_encoding
+    try:
+        enc = get_encoding(name)
+    except DataError as e:
+        return None, str(e)
+    return ((lambda s: enc.encode(s, allowed_special="all")), enc.decode), None
+
+
 def make_dataset(cfg, rank=0, world=1):
     """The dataset of rank `rank` of `world`: train.batch_size is the global micro-batch, each rank
     reads its own batch_size / world rows of it (the global batch does not depend on world)."""

@@ -7,7 +7,7 @@
 
 Documents come from a Hugging Face dataset (streamed: nothing is downloaded up front) or from local
 text files (one file = one document). They are tokenised by tiktoken (any encoding by name; GPT-2 by
-default) in parallel worker processes, an end-of-text token after every document, and written as
+default; `--tokenizer bytes` = UTF-8 bytes, vocab 257, no download) in parallel worker processes, an end-of-text token after every document, and written as
 token files (data/tokens.py: a header, then uint16 tokens, uint32 when the vocabulary needs it):
 
     <out>/val_000.bin          the first documents, until --val_tokens tokens (whole documents)
@@ -38,15 +38,46 @@ MANIFEST = "manifest.json"
 _ENC = None  # the encoding of a worker process
 
 
+class ByteEncoding:
+    """--tokenizer bytes: UTF-8 bytes 0..255 and <|endoftext|> = 256 (vocab 257, like the stdlib
+    corpus); needs no download. The tiktoken Encoding methods prepare.py and sample.py use."""
+    name, n_vocab, eot = "bytes", 257, 256
+    special_tokens_set = {"<|endoftext|>"}
+
+    def encode_single_token(self, text):
+        return self.eot
+
+    def encode_ordinary(self, text):
+        return list(text.encode("utf-8"))
+
+    def encode(self, text, allowed_special=()):
+        return self.encode_ordinary(text)
+
+    def decode(self, tokens):
+        return bytes(t if t < 256 else 10 for t in tokens).decode("utf-8", errors="replace")
+
+
+OFFLINE_HINT = ("tiktoken downloads an encoding file once and caches it: copy the cached file(s) from a "
+                "machine with network (its TIKTOKEN_CACHE_DIR, by default <tmp>/data-gym-cache) and set "
+                "TIKTOKEN_CACHE_DIR to the folder holding them here, "
+                "or use --tokenizer bytes (no download)")
+
+
 def get_encoding(encoding):
-    """A tiktoken Encoding from a name (gpt2, cl100k_base, o200k_base, ...) or an Encoding object."""
+    """A tiktoken Encoding from a name (gpt2, cl100k_base, o200k_base, ...), 'bytes' (ByteEncoding)
+    or an Encoding object. A name whose file cannot be downloaded (offline) is one DataError line."""
     if not isinstance(encoding, str):
         return encoding
+    if encoding == "bytes":
+        return ByteEncoding()
     import tiktoken
     try:
         return tiktoken.get_encoding(encoding)
     except ValueError as e:
-        raise DataError(f"--tokenizer {encoding}: {e}") from None
+        raise DataError(f"--tokenizer {encoding}: {str(e).splitlines()[0]} (or bytes)") from None
+    except Exception as e:  # requests / urllib errors: no network, proxy, DNS
+        raise DataError(f"--tokenizer {encoding}: the encoding file could not be downloaded "
+                        f"({type(e).__name__}); {OFFLINE_HINT}") from None
 
 
 def eot_of(enc):
@@ -209,7 +240,9 @@ def main(argv=None):
     p.add_argument("--name", default=None, help="dataset config name, e.g. sample-10BT")
     p.add_argument("--split", default="train", help="dataset split to read")
     p.add_argument("--text_field", default="text")
-    p.add_argument("--tokenizer", default="gpt2", help="tiktoken encoding name (gpt2, cl100k_base, o200k_base)")
+    p.add_argument("--tokenizer", default="gpt2",
+                   help="tiktoken encoding name (gpt2, cl100k_base, o200k_base; downloaded once, then cached "
+                        "in TIKTOKEN_CACHE_DIR) or bytes (UTF-8 bytes, vocab 257, no download)")
     p.add_argument("--out", required=True, help="output folder (data.dir for data.kind: bin)")
     p.add_argument("--max_tokens", type=float, default=None, help="stop after about this many tokens")
     p.add_argument("--shard_tokens", type=float, default=100e6)

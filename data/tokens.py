@@ -23,13 +23,35 @@ class DataError(ValueError):
 
 def atomic_write(path, write, mode="wb"):
     """Write a file so that a kill at any moment leaves either the old file or the new one: write(f)
-    into a temporary file beside it, fsync, rename over `path`, fsync the folder (the rename)."""
+    into a temporary file beside it, fsync, rename over `path`, fsync the folder (the rename).
+    A failed write (disk full, ...) removes the temporary file and is one DataError line."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, mode) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save turns the file's OSError into a RuntimeError
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.strerror:
+            why = e.strerror
+        else:
+            import shutil
+            folder = os.path.dirname(os.path.abspath(path))
+            free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+            why = f"write failed, {free / 2 ** 20:,.0f} MiB free on its disk"
+        raise DataError(f"{path}: could not be written ({why}); the temporary file was removed, the "
+                        f"previous files are intact") from None
+    except BaseException:  # Ctrl-C mid-write: no torn file left behind either
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     try:
         fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
         os.fsync(fd)
