@@ -710,39 +710,52 @@ class Run:
 
 def report_error(message):
     """One `error: ...` line on stderr, from rank 0 only under torchrun; there it also goes into
-    torchrun's error file, so the launcher's failure summary ends with this line, not a traceback."""
-    rank = int(os.environ.get("RANK", 0))
-    if rank == 0:
-        print(f"error: {message}", file=sys.stderr)
+    torchrun's error file, so the launcher's failure summary shows this line, not "To enable
+    traceback see ..."."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    print(f"error: {message}", file=sys.stderr)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:  # rank 0's timestamp is the earliest: torchrun shows it as the root cause
+    if error_file:
         data = {"message": {"message": f"error: {message}",
-                            "extraInfo": {"py_callstack": f"error: {message}",
-                                          "timestamp": str(int(time.time()) - (rank == 0))}}}
+                            "extraInfo": {"py_callstack": f"error: {message}", "timestamp": str(int(time.time()))}}}
         with contextlib.suppress(OSError):
             with open(error_file, "w") as f:
                 json.dump(data, f)
 
 
+def parse_args(argv):
+    """(cfg, resume, overwrite) from the command line, or None for --help; ConfigError if bad."""
+    path, overrides, rest = split_args(argv)
+    resume, overwrite = None, False
+    for a in rest:
+        if a in ("-h", "--help"):
+            print(USAGE)
+            return None
+        if a == "--resume":
+            resume = True
+        elif a.startswith("--resume="):
+            resume = a.split("=", 1)[1]
+        elif a == "--overwrite":
+            overwrite = True
+        else:
+            raise ConfigError(f"unknown argument {a!r}; see python train.py --help")
+    return load_config(path, overrides), resume, overwrite
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    resume, overwrite = None, False
     try:
-        path, overrides, rest = split_args(argv)
-        for a in rest:
-            if a in ("-h", "--help"):
-                print(USAGE)
-                return 0
-            if a == "--resume":
-                resume = True
-            elif a.startswith("--resume="):
-                resume = a.split("=", 1)[1]
-            elif a == "--overwrite":
-                overwrite = True
-            else:
-                raise ConfigError(f"unknown argument {a!r}; see python train.py --help")
-        cfg = load_config(path, overrides)
-        train(cfg, resume, overwrite=overwrite)
+        parsed = parse_args(argv)
+    except ConfigError as e:
+        # the same on every rank: under torchrun rank 0 alone reports it and fails, the others leave
+        # quietly, so the launcher's summary names one failure (rank 0's) with this line
+        report_error(e)
+        return 2 if int(os.environ.get("RANK", 0)) == 0 else 0
+    if parsed is None:
+        return 0
+    try:
+        train(*parsed[:2], overwrite=parsed[2])
     except (ConfigError, DataError) as e:
         report_error(e)
         return 2
