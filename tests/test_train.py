@@ -79,4 +79,4 @@ def test_default_run_and_sample_end_to_end(tmp_path):
     assert r.stdout.count("import ") == 2
     r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "--ckpt", str(tmp_path / "o"),
                         "--prompt", "import os", "--cache_len", "4"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "exceeds the cache" in r.stderr
+    assert r.returncode == 2 and "raise --cache_len or lower --max_new_tokens" in r.stderr
