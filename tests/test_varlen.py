@@ -14,6 +14,7 @@ import kernels
 from tests.test_model import make_model
 
 LENS = [1, 2, 3, 63, 64, 65, 130]
+SMALL_LENS = [1, 2, 3, 58, 70]  # the interpreter's default: boundaries inside a chunk/tile, a chunk crossed
 TOL = 1e-5
 
 
@@ -32,16 +33,19 @@ def max_diff(a, b):
 
 # ------------------------------------------------------------------------------------------ ops
 
-def check_op_packed_equals_separate(op, inputs, lens):
-    """op(*inputs, cu_seqlens) on the packed row == op on every document's slice, forward and backward.
-    inputs: [1, N, ...] tensors sliced in time, then per-head tensors (not sliced)."""
+def check_op_packed_equals_separate(op, inputs, lens, ref_op=None):
+    """op(*inputs, cu_seqlens) on the packed row == ref_op (default op) on every document's slice,
+    forward and backward. inputs: [1, N, ...] tensors sliced in time, then per-head tensors (not sliced).
+    The interpreted Triton ops take the torch op as the separate reference (kernel == reference is
+    tested unpacked in test_triton_*.py), which keeps the interpreter's work to the packed run."""
+    ref_op = ref_op or op
     timed = [x for x in inputs if x.dim() >= 3]
     params = [x.detach().requires_grad_() for x in inputs]
     out = op(*params, cu_seqlens=cu_of(lens))
     w = torch.randn_like(out)
     grads = torch.autograd.grad((out * w).sum(), params)
     sep_params = [x.detach().requires_grad_() for x in inputs]
-    sep = torch.cat([op(*[x[:, a:b] if x.dim() >= 3 else x for x in sep_params]) for a, b in docs(lens)], 1)
+    sep = torch.cat([ref_op(*[x[:, a:b] if x.dim() >= 3 else x for x in sep_params]) for a, b in docs(lens)], 1)
     sep_grads = torch.autograd.grad((sep * w).sum(), sep_params)
     assert len(timed) >= 3
     assert (out - sep).abs().max().item() <= TOL
@@ -132,7 +136,9 @@ def objective(model, idx, cu_seqlens, w):
     return logits, total
 
 
-def check_model_packed_equals_separate(model, lens, seed=0):
+def check_model_packed_equals_separate(model, lens, seed=0, ref=None):
+    """ref: a model with the same weights that runs the separate documents (default: model)."""
+    ref = ref or model
     g = torch.Generator().manual_seed(seed)
     N = sum(lens)
     idx = torch.randint(0, model.config.vocab_size, (1, N), generator=g)
@@ -142,10 +148,10 @@ def check_model_packed_equals_separate(model, lens, seed=0):
     grads = torch.autograd.grad(total, params, allow_unused=True)
     sep_logits, sep_total = [], 0.0
     for a, b in docs(lens):
-        lg, tot = objective(model, idx[:, a:b], None, w[:, a:b])
+        lg, tot = objective(ref, idx[:, a:b], None, w[:, a:b])
         sep_logits.append(lg)
         sep_total = sep_total + tot
-    sep_grads = torch.autograd.grad(sep_total, params, allow_unused=True)
+    sep_grads = torch.autograd.grad(sep_total, list(ref.parameters()), allow_unused=True)
     assert (logits - torch.cat(sep_logits, 1)).abs().max().item() <= TOL
     for p, a, b in zip(model.named_parameters(), grads, sep_grads):
         assert (a is None) == (b is None), p[0]
@@ -214,3 +220,33 @@ def test_packed_refuses_batch_state_and_cache():
     cache = model.new_cache(1, 10)
     with pytest.raises(ValueError, match="cache=None"):
         model.blocks[0](model.wte(torch.zeros(1, 10, dtype=torch.long)), cache.layers[0], 0, cu_seqlens=cu)
+
+
+# ------------------------------------------------------------------------------------------ triton (interpreted on CPU)
+# The interpreter is slow: the default suite runs SMALL_LENS with few heads; LENS runs under -m slow.
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("case, lens", [("gqa_window_sinks", SMALL_LENS)] + [
+    pytest.param(c, LENS, marks=SLOW) for c in ATTN_CASES])
+def test_attention_op_triton(case, lens):
+    ins, window = attn_inputs(sum(lens), **ATTN_CASES[case])
+    check_op_packed_equals_separate(attention_op("triton", window), ins, lens, attention_op("torch", window))
+
+
+@pytest.mark.parametrize("per_channel, lens, H", [(True, SMALL_LENS, 1), pytest.param(False, SMALL_LENS, 1, marks=SLOW),
+                                                  pytest.param(True, LENS, 2, marks=SLOW),
+                                                  pytest.param(False, LENS, 2, marks=SLOW)])
+def test_delta_rule_op_triton(per_channel, lens, H):
+    check_op_packed_equals_separate(delta_op("triton"), delta_inputs(sum(lens), per_channel, H=H), lens,
+                                    delta_op("torch"))
+
+
+@pytest.mark.parametrize("name, lens", [("attn_window_sinks", SMALL_LENS), ("kda", SMALL_LENS)] + [
+    pytest.param(n, LENS, marks=SLOW) for n in ("attn_global_gqa", "attn_window_sinks", "kda", "gdn")])
+def test_model_packed_equals_separate_triton(name, lens):
+    """Packed on the Triton backend == separate documents on the torch backend (same weights)."""
+    packed = make_model({name: MODELS[name]}, n_layer=1, backend="triton").train()
+    ref = make_model({name: MODELS[name]}, n_layer=1, backend="torch").train()
+    check_model_packed_equals_separate(packed, lens, ref=ref)
