@@ -250,3 +250,107 @@ def test_model_packed_equals_separate_triton(name, lens):
     packed = make_model({name: MODELS[name]}, n_layer=1, backend="triton").train()
     ref = make_model({name: MODELS[name]}, n_layer=1, backend="torch").train()
     check_model_packed_equals_separate(packed, lens, ref=ref)
+
+
+# ------------------------------------------------------------------------------------------ data.pack
+
+EOT_ID = 50
+
+
+def write_doc_corpus(folder, doc_lens, vocab=51, seed=0):
+    """train/val shards of documents of the given lengths, each followed by EOT_ID (ids 0..49 inside)."""
+    import numpy as np
+    from data.tokens import write_tokens
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    stream = np.concatenate([np.append(rng.integers(0, EOT_ID, n), EOT_ID) for n in doc_lens])
+    for split in ("train", "val"):
+        write_tokens(folder / f"{split}_000.bin", stream, vocab, len(stream), EOT_ID)
+    return stream
+
+
+def test_packed_loader_rows_are_whole_documents(tmp_path):
+    """Rows hold whole documents (each opened by the EOT before it), cut only at EOTs; a document
+    longer than a row becomes row-sized pieces; every lane token is used once; padding is ignored."""
+    from data.tokens import PackedLoader, open_split
+    stream = write_doc_corpus(tmp_path, [3, 5, 40, 7, 2, 9, 1, 4, 30, 6] * 4)
+    T, B = 16, 2
+    loader = PackedLoader(open_split(str(tmp_path), "train"), B, T)
+    lane = (len(stream) - 1) // B
+    seen = [[] for _ in range(B)]
+    for _ in range(6):
+        x, y, cu = loader.next_batch()
+        assert x.shape == y.shape == (1, B * T) and cu.dtype == torch.int32
+        cu = cu.tolist()
+        assert cu[0] == 0 and cu[-1] == B * T and all(a < b for a, b in zip(cu, cu[1:]))
+        for r in range(B):
+            xr, yr = x[0, r * T:(r + 1) * T], y[0, r * T:(r + 1) * T]
+            used = int((yr >= 0).sum())
+            assert torch.equal(yr[used:], torch.full((T - used,), -1))          # padding only at the end
+            start = r * lane + sum(len(s) for s in seen[r])
+            assert torch.equal(xr[:used], torch.from_numpy(stream[start:start + used].astype("int64")))
+            assert torch.equal(yr[:used], torch.from_numpy(stream[start + 1:start + used + 1].astype("int64")))
+            assert yr[used - 1] == EOT_ID or used == T                            # whole documents, or a piece
+            inside = [c - r * T for c in cu if r * T < c < r * T + used]          # boundaries inside the row ...
+            assert inside == [i for i in range(1, used) if xr[i] == EOT_ID]      # ... are exactly its EOTs
+            seen[r].append(xr[:used].tolist())
+    assert any(len(piece) == T for row in seen for piece in row)                 # a long document was cut
+
+
+def test_packed_loader_state_round_trip(tmp_path):
+    from data.tokens import DataError, PackedLoader, TokenLoader, open_split
+    write_doc_corpus(tmp_path, [3, 5, 40, 7, 2, 9, 1, 4, 30, 6] * 20)
+    shards = open_split(str(tmp_path), "train")
+    a = PackedLoader(shards, 2, 16)
+    for _ in range(30):                              # past the end of the shard: wraps to the next (itself)
+        a.next_batch()
+    state = a.state_dict()
+    want = [a.next_batch() for _ in range(25)]
+    b = PackedLoader(shards, 2, 16)
+    b.load_state_dict(state)
+    for w, got in zip(want, (b.next_batch() for _ in range(25))):
+        assert all(torch.equal(p, q) for p, q in zip(w, got))
+    with pytest.raises(DataError, match="packed run"):
+        PackedLoader(shards, 2, 16).load_state_dict(TokenLoader(shards, 2, 16).state_dict())
+
+
+def test_pack_refused_for_mqar_and_corpus_without_eot(tmp_path):
+    import numpy as np
+    from config import from_raw
+    from data.tokens import DataError, PackedLoader, open_split, write_tokens
+    from model import ConfigError
+    with pytest.raises(ConfigError, match="data.pack"):
+        from_raw({"data": {"kind": "mqar", "pack": True}})
+    write_tokens(tmp_path / "train_000.bin", np.arange(500) % 40, 40, 500)
+    with pytest.raises(DataError, match="end-of-text"):
+        PackedLoader(open_split(str(tmp_path), "train"), 2, 16)
+
+
+def test_train_with_pack_resumes_exactly(tmp_path):
+    """data.pack end to end: train (KDA + sliding-window attention) with packed rows; an interrupted and
+    resumed run equals the uninterrupted one (losses and weights)."""
+    from config import from_raw
+    from train import latest_checkpoint, load_checkpoint, train
+    from tests.test_train import read_metrics
+    write_doc_corpus(tmp_path / "data", [3, 5, 40, 7, 2, 9, 1, 4, 30, 6] * 30)
+
+    def cfg(out):
+        return from_raw({
+            "model": {"vocab_size": 51, "d_model": 32, "n_layer": 2, "pattern": ["k", "a"], "backend": "torch",
+                      "layers": {"k": {"kind": "kda", "n_heads": 2, "head_dim": 16},
+                                 "a": {"kind": "attn", "n_heads": 2, "window": 8, "sinks": True}},
+                      "mlp": {"hidden": 64}},
+            "data": {"kind": "bin", "dir": str(tmp_path / "data"), "pack": True},
+            "train": {"max_steps": 8, "batch_size": 2, "seq_len": 32, "lr": 3e-3, "warmup_steps": 2,
+                      "log_interval": 2, "eval_interval": 4, "eval_batches": 1, "ckpt_interval": 4,
+                      "sample_tokens": 0, "out_dir": str(out)}})
+    train(cfg(tmp_path / "full"), quiet=True)
+    train(cfg(tmp_path / "part"), quiet=True, stop_at=4)
+    train(cfg(tmp_path / "part"), resume=True, quiet=True)
+    a = [r["loss"] for r in read_metrics(tmp_path / "full") if "loss" in r]
+    b = [r["loss"] for r in read_metrics(tmp_path / "part") if "loss" in r]
+    assert len(a) == len(b) == 4 and max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (a, b)
+    assert any("val_loss" in r for r in read_metrics(tmp_path / "full"))
+    wa = load_checkpoint(latest_checkpoint(str(tmp_path / "full")))["model"]
+    wb = load_checkpoint(latest_checkpoint(str(tmp_path / "part")))["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
