@@ -28,11 +28,14 @@ class DataConfig:
     dir: Optional[str] = None           # bin: folder of train_*.bin / val_*.bin; stdlib: cache folder
     n_pairs: int = 8                    # mqar: key-value pairs per sequence
     mqar_vocab: Optional[int] = None    # mqar: tokens used (null = model.vocab_size)
+    pack: bool = False                  # stdlib/bin: rows of whole documents, boundaries to the model
 
     def check(self, path, model):
         require(self.kind in DATA_KINDS, f"{path}.kind", f"one of {', '.join(DATA_KINDS)}", self.kind)
         require(self.kind != "bin" or self.dir, f"{path}.dir", "a folder of prepared shards when kind is bin", self.dir)
         positive(f"{path}.n_pairs", self.n_pairs)
+        require(not self.pack or self.kind != "mqar", f"{path}.pack", "false for mqar (it packs text corpora)",
+                self.pack)
         if self.mqar_vocab is not None:
             require(4 <= self.mqar_vocab <= model.vocab_size, f"{path}.mqar_vocab",
                     f"between 4 and model.vocab_size={model.vocab_size}", self.mqar_vocab)

@@ -263,6 +263,17 @@ def rope_angles(positions, dim, theta):
     return angles.cos(), angles.sin()
 
 
+def token_positions(x, pos, cache, cu_seqlens):
+    """Positions [T] of the tokens of x [B, T, ...]: pos .. pos+T-1; with packed documents
+    (cu_seqlens, parallel path only) every token's position inside its own document."""
+    T = x.shape[1]
+    if cu_seqlens is None:
+        return torch.arange(pos, pos + T, device=x.device)
+    if cache is not None:
+        raise ValueError("cu_seqlens (packed documents) is for the parallel path only: call with cache=None")
+    return kernels.doc_positions(cu_seqlens, T)
+
+
 def apply_rope(x, cos, sin):
     """Rotate x [B, T, H, D] by angles cos, sin [T, D/2]: pairs are (x[i], x[i + D/2])."""
     d = x.shape[-1] // 2
@@ -321,21 +332,24 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(D, model.norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(Hq)) if cfg.sinks else None
 
-    def forward(self, x, cache=None, pos=0):
-        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path."""
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path.
+        cu_seqlens: packed documents (B == 1), positions restart at every document."""
         B, T, _ = x.shape
         c = self.cfg
+        positions = token_positions(x, pos, cache, cu_seqlens)
         q = self.wq(x).view(B, T, c.n_heads, c.head_dim)
         k = self.wk(x).view(B, T, c.n_kv_heads, c.head_dim)
         v = self.wv(x).view(B, T, c.n_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rope:
-            cos, sin = rope_angles(torch.arange(pos, pos + T, device=x.device), c.head_dim, c.rope_theta)
+            cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = self.update_cache(cache, k, v, pos)
-        o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend)
+        o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend,
+                              cu_seqlens=cu_seqlens)
         return self.wo(o.reshape(B, T, -1))
 
     def new_cache(self, batch_size, max_len, device, dtype):
@@ -464,8 +478,10 @@ class DeltaNet(nn.Module):
                 dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
                 self.dt_bias.copy_(inverse_softplus(dt))
 
-    def short_conv(self, u, cache):
-        """Causal depthwise conv + SiLU over u [B, T, C]; the cache keeps the last conv_size-1 inputs."""
+    def short_conv(self, u, cache, doc_pos=None):
+        """Causal depthwise conv + SiLU over u [B, T, C]; the cache keeps the last conv_size-1 inputs.
+        doc_pos [T] (packed documents): each token's position in its document; the conv then reads
+        only inputs of the token's own document (tap s, s tokens back, is dropped where doc_pos < s)."""
         if not self.cfg.conv_size:
             return F.silu(u)
         width = self.cfg.conv_size
@@ -473,14 +489,20 @@ class DeltaNet(nn.Module):
         full = torch.cat([past, u], dim=1)                                  # [B, width-1+T, C]
         if cache is not None:
             cache.conv.copy_(full[:, full.shape[1] - (width - 1):])
+        if doc_pos is not None:  # the same sum tap by tap, each tap masked at document starts
+            T, w = u.shape[1], self.conv.to(u.dtype)                        # w [C, width]: last tap = now
+            out = sum(full[:, width - 1 - s:width - 1 - s + T] * w[:, width - 1 - s] * (doc_pos >= s)[:, None]
+                      for s in range(width))
+            return F.silu(out)
         out = F.conv1d(full.transpose(1, 2), self.conv.to(u.dtype)[:, None, :], groups=u.shape[2])
         return F.silu(out.transpose(1, 2))                                  # [B, T, C]
 
-    def forward(self, x, cache=None, pos=0):
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
         B, T, _ = x.shape
         c = self.cfg
         H, K, V = c.n_heads, c.head_dim, c.v_head_dim
-        q, k, v = self.short_conv(self.w_qkv(x), cache).split(self.qkv_dims, dim=-1)
+        doc_pos = None if cu_seqlens is None else token_positions(x, pos, cache, cu_seqlens)
+        q, k, v = self.short_conv(self.w_qkv(x), cache, doc_pos).split(self.qkv_dims, dim=-1)
         q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
         if c.qk_norm:
             q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
@@ -490,7 +512,7 @@ class DeltaNet(nn.Module):
                 o = kernels.linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, scale=1.0)[:, None]
             else:
                 o, final = kernels.linear_attention(q, k, v, scale=1.0, initial_state=state,
-                                                    output_final_state=state is not None)
+                                                    output_final_state=state is not None, cu_seqlens=cu_seqlens)
         else:
             beta = torch.sigmoid(self.w_beta(x).float())                    # [B, T, H]
             g = F.softplus(self.w_f(x).float() + self.dt_bias)              # [B, T, H*K] or [B, T, H]
@@ -501,7 +523,8 @@ class DeltaNet(nn.Module):
                                             backend=self.backend)[:, None]
             else:
                 o, final = kernels.delta_rule(q, k, v, g, beta, initial_state=state,
-                                              output_final_state=state is not None, backend=self.backend)
+                                              output_final_state=state is not None, backend=self.backend,
+                                              cu_seqlens=cu_seqlens)
         if state is not None and T > 1:
             state.copy_(final)
         if c.output_gate:
@@ -544,17 +567,21 @@ def index_scores_selected(iq, iw, ik_sel):
     return torch.einsum("bthk,bth->btk", dots, iw.float()) * iq.shape[-1] ** -0.5
 
 
-def topk_select(scores, qpos, k):
-    """Indices [B, T, k] of the k best keys per query among s <= qpos[t]; scores [B, T, S] fp32.
+def topk_select(scores, qpos, k, kmin=None):
+    """Indices [B, T, k] of the k best keys per query among s <= qpos[t] (and s >= kmin[t] when
+    given: packed documents); scores [B, T, S] fp32.
 
     Deterministic: the order is lexicographic on (score, position), so an exact tie (common: ReLU
     zeros) goes to the most recent key, the same in the parallel path and in decode. Scores are
     mapped to order-preserving integers and packed with the position into one int64 key, so the
     top-k never depends on how torch.topk breaks ties. Keys after a query get score -inf and are
-    only picked when a query sees fewer than k keys; the caller masks them (sel > qpos)."""
+    only picked when a query sees fewer than k keys; the caller masks them (sel > qpos, sel < kmin)."""
     S = scores.shape[-1]
     kpos = torch.arange(S, device=scores.device)
-    scores = scores.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf")) + 0.0  # -0 -> +0
+    hidden = kpos[None, :] > qpos[:, None]
+    if kmin is not None:
+        hidden = hidden | (kpos[None, :] < kmin[:, None])
+    scores = scores.masked_fill(hidden[None], float("-inf")) + 0.0  # -0 -> +0
     bits = scores.contiguous().view(torch.int32)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # negative floats: flip magnitude bits
     return torch.topk(key.long() * 2 ** 32 + kpos, k, dim=-1).indices  # (score, position) packed
@@ -628,12 +655,14 @@ class MLA(nn.Module):
         w = self.wkv_b.weight.view(c.n_heads, c.qk_nope_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, :c.qk_nope_dim], w[:, c.qk_nope_dim:]
 
-    def forward(self, x, cache=None, pos=0):
-        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path."""
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path.
+        cu_seqlens: packed documents (B == 1): positions restart, the indexer picks within the document."""
         B, T, _ = x.shape
         c = self.cfg
         H, d_c, d_nope, d_rope, d_v = c.n_heads, c.kv_lora_rank, c.qk_nope_dim, c.rope_dim, c.v_head_dim
-        positions = torch.arange(pos, pos + T, device=x.device)
+        positions = token_positions(x, pos, cache, cu_seqlens)
+        doc_start = None if cu_seqlens is None else torch.arange(T, device=x.device) - positions  # [T]
         self.aux_loss = None
         want_loss = self.training and cache is None and self.indexer is not None
         # query: c_q = RMSNorm(x W_dq) [B, T, r_q]; q = c_q W_uq  (or q = x W_q)   [B, T, H, d_nope + d_rope]
@@ -664,7 +693,7 @@ class MLA(nn.Module):
             q_abs = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)               # q~_h = q_nope_h W_UK_h^T [B,T,H,d_c]
             q_lat = torch.cat([q_abs, q_rope], dim=-1)                         # [B, T, H, d_c + d_rope]
             if sparse:
-                o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss)
+                o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss, doc_start)
             else:  # MQA with one kv head: keys [c_kv, k_rope], values c_kv. The head is broadcast to
                 # all H heads as a stride-0 view (no copy): with Hq == Hkv PyTorch's SDPA takes its
                 # fused path, while Hq != Hkv (enable_gqa) falls back to the ~30x slower math path on CPU.
@@ -677,18 +706,21 @@ class MLA(nn.Module):
             k_nope, v = kv.split([d_nope, d_v], dim=-1)                        # [B, S, H, d_nope], [B, S, H, d_v]
             k = torch.cat([k_nope, latent[:, :, None, d_c:].expand(B, S, H, d_rope)], dim=-1)
             q = torch.cat([q_nope, q_rope], dim=-1)                            # [B, T, H, d_nope + d_rope]
-            o = kernels.attention(q, k, v, scale=self.scale, backend=self.backend)  # [B, T, H, d_v]
+            o = kernels.attention(q, k, v, scale=self.scale, backend=self.backend,
+                                  cu_seqlens=cu_seqlens)                       # [B, T, H, d_v]
             if want_loss:
-                kl = self._dense_indexer_kl(q.detach(), k.detach(), iq, iw, ik)
+                kl = self._dense_indexer_kl(q.detach(), k.detach(), iq, iw, ik, doc_start)
         if want_loss:  # L_I: KL summed over heads' distribution, mean over the B*T query tokens
             self.aux_loss = ("indexer_kl", c.dsa.loss_weight * kl / (B * T))
         return self.wo(o.reshape(B, T, H * d_v))
 
-    def _sparse_attention(self, q_lat, latent, iq, iw, ik, offset, want_loss):
+    def _sparse_attention(self, q_lat, latent, iq, iw, ik, offset, want_loss, doc_start=None):
         """Absorbed attention over each query's top-k keys, query block by query block.
 
         q_lat [B,T,H,d_c+d_rope]  latent [B,S,d_c+d_rope]  iq [B,T,H_I,d_I]  iw [B,T,H_I]  ik [B,S,d_I]
-        Query t sits at position offset + t. Returns o_lat [B,T,H,d_c] and the KL sum (or None).
+        Query t sits at position offset + t. doc_start [T] (packed documents, offset 0): the first key
+        each query may pick; a block scores only keys from its first query's document start on.
+        Returns o_lat [B,T,H,d_c] and the KL sum (or None).
         Memory per block: the index scores [B, block, S] (no grad) and the gathered rows
         [B, block, k, d_c + d_rope]; what autograd keeps is O(T * k), never T x S."""
         B, T, H, _ = q_lat.shape
@@ -698,11 +730,15 @@ class MLA(nn.Module):
         for t0 in range(0, T, MLA_BLOCK_Q):
             t1 = min(T, t0 + MLA_BLOCK_Q)
             hi = offset + t1                                                   # keys this block may see
+            lo = 0 if doc_start is None else int(doc_start[t0])                # ... from lo on
             qpos = torch.arange(offset + t0, offset + t1, device=q_lat.device)
+            kmin = None if doc_start is None else doc_start[t0:t1] - lo
             with torch.no_grad():
-                sel = topk_select(index_scores(iq[:, t0:t1], iw[:, t0:t1], ik[:, :hi]), qpos,
-                                  min(self.cfg.dsa.top_k, hi))                 # [B, Tb, k]
+                sel = topk_select(index_scores(iq[:, t0:t1], iw[:, t0:t1], ik[:, lo:hi]), qpos - lo,
+                                  min(self.cfg.dsa.top_k, hi - lo), kmin) + lo  # [B, Tb, k]
             valid = sel <= qpos[None, :, None]                                 # [B, Tb, k]
+            if doc_start is not None:
+                valid = valid & (sel >= doc_start[None, t0:t1, None])
             rows = latent[b, sel].float()                                      # [B, Tb, k, d_c + d_rope]
             att = torch.einsum("bthd,btkd->bthk", q_lat[:, t0:t1].float(), rows) * self.scale
             p = att.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)  # [B, Tb, H, k]
@@ -714,8 +750,9 @@ class MLA(nn.Module):
                 kl = kl + kl_to_logits(target, logits, valid)
         return torch.cat(outs, dim=1).to(q_lat.dtype), kl
 
-    def _dense_indexer_kl(self, q, k, iq, iw, ik):
-        """dense_warmup L_I (summed over tokens): KL(p_t || softmax(I_t)) over all s <= t.
+    def _dense_indexer_kl(self, q, k, iq, iw, ik, doc_start=None):
+        """dense_warmup L_I (summed over tokens): KL(p_t || softmax(I_t)) over all s <= t
+        (and s >= doc_start[t] with packed documents).
 
         q, k [B,T,H,d_nope+d_rope] detached. Blocks are checkpointed: autograd keeps only their inputs,
         and the [B, block, H_I, T] ReLU scores are recomputed in backward."""
@@ -724,12 +761,16 @@ class MLA(nn.Module):
         for t0 in range(0, q.shape[1], MLA_BLOCK_Q):
             t1 = min(q.shape[1], t0 + MLA_BLOCK_Q)
             kl = kl + checkpoint(self._dense_kl_block, q[:, t0:t1], k[:, :t1], iq[:, t0:t1], iw[:, t0:t1],
-                                 ik[:, :t1], t0, use_reentrant=False)
+                                 ik[:, :t1], t0, None if doc_start is None else doc_start[t0:t1],
+                                 use_reentrant=False)
         return kl
 
-    def _dense_kl_block(self, q, k, iq, iw, ik, t0):
+    def _dense_kl_block(self, q, k, iq, iw, ik, t0, doc_start=None):
         Tb, S = q.shape[1], k.shape[1]
-        valid = (torch.arange(S, device=q.device)[None, :] <= torch.arange(t0, t0 + Tb, device=q.device)[:, None])
+        kpos = torch.arange(S, device=q.device)[None, :]
+        valid = kpos <= torch.arange(t0, t0 + Tb, device=q.device)[:, None]
+        if doc_start is not None:
+            valid = valid & (kpos >= doc_start[:, None])
         with torch.no_grad():  # p_t: the main attention distribution, summed over heads, L1-normalised
             att = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * self.scale   # [B, H, Tb, S]
             p = att.masked_fill(~valid, float("-inf")).softmax(-1).sum(1)             # [B, Tb, S]
@@ -771,8 +812,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(model.d_model, model.norm_eps)
         self.mlp = SwiGLU(model.d_model, model.mlp.hidden)
 
-    def forward(self, x, cache=None, pos=0):
-        x = x + self.mixer(self.norm1(x), cache, pos)
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+        x = x + self.mixer(self.norm1(x), cache, pos, cu_seqlens=cu_seqlens)
         return x + self.mlp(self.norm2(x))
 
 
@@ -804,16 +845,21 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, cu_seqlens=None):
         """idx [B, T] -> logits [B, T, vocab]; loss (mean cross-entropy, targets -1 ignored) or None.
+
+        cu_seqlens (packed documents, flash-attention's varlen convention): int32 [n_docs + 1] = 0, the
+        end of every document, T, with idx [1, T]; the result equals running every document alone.
 
         Mixers with auxiliary losses (the DSA indexer) leave them in `mixer.aux_loss`; they are added
         to the loss and reported in `self.aux_losses` (name -> detached mean over layers); the
         cross-entropy alone is kept in `self.lm_loss`.
         """
+        if cu_seqlens is not None:
+            cu_seqlens = kernels.check_cu_seqlens(cu_seqlens, *idx.shape, "GPT.forward").to(idx.device)
         x = self.wte(idx)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, cu_seqlens=cu_seqlens)
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits, None

@@ -585,10 +585,11 @@ class Run:
                 group["lr"] = group["base_lr"] * factor
         loss_acc, aux = torch.zeros((), device=device), {}
         for micro in range(tc.grad_accum):
-            x, y = self.data.next_batch()
+            x, y, *packed = self.data.next_batch()  # data.pack: x, y [1, B*T] and their cu_seqlens
+            kw = {"cu_seqlens": packed[0].to(device)} if packed else {}
             with self.sync_grads(micro == tc.grad_accum - 1):
                 with self.autocast():
-                    _, loss = self.fwd(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                    _, loss = self.fwd(x.to(device, non_blocking=True), y.to(device, non_blocking=True), **kw)
                 (loss / tc.grad_accum).backward()
             loss_acc += getattr(module, "lm_loss", loss).detach().float() / tc.grad_accum  # LM part only
             for name, value in getattr(module, "aux_losses", {}).items():

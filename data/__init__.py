@@ -1,28 +1,30 @@
 """Training data: token files (tokens.py), the embedded standard-library corpus (stdlib.py),
 synthetic MQAR (mqar.py), real corpora through Hugging Face datasets + tiktoken (prepare.py).
 
-make_dataset(cfg) gives the object train.py uses: next_batch() -> (x, y), evaluate(model),
-state_dict() / load_state_dict() (the loader position, stored in checkpoints).
+make_dataset(cfg) gives the object train.py uses: next_batch() -> (x, y), or (x, y, cu_seqlens) with
+data.pack (packed documents, x and y [1, B*T]), evaluate(model), state_dict() / load_state_dict()
+(the loader position, stored in checkpoints).
 """
 import math
 
 import torch
 
 from data.mqar import mqar_accuracy, mqar_batch
-from data.tokens import DataError, TokenLoader, open_split
+from data.tokens import DataError, PackedLoader, TokenLoader, open_split
 
 
 class TextData:
     """Next-token prediction on token shards; eval reports val loss and bits per byte."""
 
-    def __init__(self, folder, model_vocab, batch_size, seq_len, rank=0, world=1):
+    def __init__(self, folder, model_vocab, batch_size, seq_len, rank=0, world=1, pack=False):
         self.train = open_split(folder, "train")
         self.val = open_split(folder, "val")
         vocab = self.train[0].vocab_size
         if vocab > model_vocab:
             raise DataError(f"{folder}: the data has token ids up to {vocab - 1}, beyond model.vocab_size="
                             f"{model_vocab}; set model.vocab_size >= {vocab}")
-        self.loader = TokenLoader(self.train, batch_size, seq_len, rank, world)
+        self.Loader = PackedLoader if pack else TokenLoader
+        self.loader = self.Loader(self.train, batch_size, seq_len, rank, world)
         self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world
         # bits per byte = nats/token / ln 2 * tokens/byte, from the val shards' headers
         n_tok, n_bytes = sum(s.n_tokens for s in self.val), sum(s.n_text_bytes for s in self.val)
@@ -39,11 +41,12 @@ class TextData:
 
     @torch.no_grad()
     def evaluate(self, model, n_batches, device):
-        loader = TokenLoader(self.val, self.B, self.T, self.rank, self.world)  # always the same batches
+        loader = self.Loader(self.val, self.B, self.T, self.rank, self.world)  # always the same batches
         losses = []
         for _ in range(n_batches):
-            x, y = loader.next_batch()
-            losses.append(model(x.to(device), y.to(device))[1].item())
+            x, y, *packed = loader.next_batch()
+            kw = {"cu_seqlens": packed[0].to(device)} if packed else {}
+            losses.append(model(x.to(device), y.to(device), **kw)[1].item())
         val_loss = sum(losses) / len(losses)
         return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2) * self.tokens_per_byte}
 
@@ -122,4 +125,4 @@ def make_dataset(cfg, rank=0, world=1):
         folder = prepare_stdlib(d.dir, quiet=rank != 0)
     else:
         folder = d.dir
-    return TextData(folder, m.vocab_size, B, t.seq_len, rank, world)
+    return TextData(folder, m.vocab_size, B, t.seq_len, rank, world, pack=d.pack)

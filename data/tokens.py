@@ -162,3 +162,64 @@ class TokenLoader:
         buf = torch.from_numpy(self.shards[self.shard].tokens[index].astype(np.int64))
         self.offset += self.T
         return buf[:, :-1], buf[:, 1:]
+
+
+class PackedLoader(TokenLoader):
+    """Packed documents (`data.pack: true`): rows made of whole documents, with their boundaries.
+
+    Lanes as in TokenLoader, but each lane advances by what its row used. A row starts at the lane's
+    offset and ends just before the last end-of-text token (EOT) that fits in T + 1 tokens, so every
+    document in it is whole; each EOT starts a new document (it is the separator the next document
+    begins with, and the target of the last token of the previous one). Unused tail positions are
+    padding: input EOT, target -1 (ignored), a document of their own. A document longer than a row
+    (no EOT in reach) is cut into row-sized pieces, each its own document (the first tokens of the
+    next piece do not see the previous one). next_batch() -> (x [1, B*T], y [1, B*T], cu_seqlens
+    int32): the B rows laid end to end, as GPT.forward(idx, targets, cu_seqlens) takes them.
+    state_dict() holds the shard and this rank's lane offsets: a resumed run reads the same rows.
+    """
+
+    def __init__(self, shards, batch_size, seq_len, rank=0, world=1):
+        super().__init__(shards, batch_size, seq_len, rank, world)
+        for s in shards:
+            if s.eot_id < 0:
+                raise DataError(f"{s.path}: data.pack needs an end-of-text token between documents and this "
+                                f"token file has none; prepare the corpus with one or set data.pack: false")
+        self.offsets = [0] * batch_size
+
+    def state_dict(self):
+        return {**super().state_dict(), "offsets": list(self.offsets)}
+
+    def load_state_dict(self, state):
+        offsets = state.get("offsets")
+        if offsets is None or len(offsets) != self.B:
+            raise DataError(f"the saved data position is not one of a packed run with {self.B} rows per rank "
+                            f"(data.pack, train.batch_size and the number of ranks must match the saved run)")
+        super().load_state_dict({**state, "offset": 0})
+        self.offsets = [int(o) for o in offsets]
+
+    def _row(self, lane, T):
+        """Row of lane `lane`: (x [T], y [T], document starts inside the row); advances the lane."""
+        shard = self.shards[self.shard]
+        start = (self.rank * self.B + lane) * self.lane_length() + self.offsets[lane]
+        window = shard.tokens[start:start + T + 1].astype(np.int64)          # T + 1 tokens
+        eots = np.flatnonzero(window[1:] == shard.eot_id) + 1                 # EOTs that can open a document
+        used = int(eots[-1]) if len(eots) else T                              # whole documents, or a piece
+        x = np.full(T, shard.eot_id, dtype=np.int64)
+        y = np.full(T, -1, dtype=np.int64)
+        x[:used], y[:used] = window[:used], window[1:used + 1]
+        starts = [0] + [int(e) for e in eots[eots < used]] + ([used] if used < T else [])
+        self.offsets[lane] += used
+        return x, y, starts
+
+    def next_batch(self):
+        if max(self.offsets) + self.T + 1 > self.lane_length():   # a lane ran out: all go to the next shard
+            self.shard, self.offsets = (self.shard + 1) % len(self.shards), [0] * self.B
+        xs, ys, cu = [], [], []
+        for lane in range(self.B):
+            x, y, starts = self._row(lane, self.T)
+            xs.append(x)
+            ys.append(y)
+            cu += [lane * self.T + s for s in starts]
+        cu.append(self.B * self.T)
+        return (torch.from_numpy(np.concatenate(xs))[None], torch.from_numpy(np.concatenate(ys))[None],
+                torch.tensor(cu, dtype=torch.int32))

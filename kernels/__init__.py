@@ -5,7 +5,13 @@
     backend=None      triton on CUDA tensors, torch elsewhere
 
 Every op takes and returns [B, T, H, D] tensors (time before heads). See SPEC 0.3.
+
+Packed documents (varlen, the flash-attention / flash-linear-attention convention): `cu_seqlens`
+int32 [n_docs + 1] = (0, end of every document, N) with B == 1 and the documents laid end to end in
+time. A document boundary resets the causal range (attention) or the state (delta rule, linear
+attention), also inside a chunk or a tile: the kernels mask by document, nothing is padded.
 """
+import torch
 # NB: the torch paths live in torch_*.py: a submodule named like an op (kernels/attention.py)
 # would shadow the op function of the same name once imported.
 
@@ -20,12 +26,39 @@ def _pick(backend, x):
     return backend
 
 
-def attention(q, k, v, *, window=None, sinks=None, scale=None, backend=None):
+def check_cu_seqlens(cu_seqlens, B, N, op="cu_seqlens"):
+    """Refuse bad packed-document boundaries with one line; returns them as int64 on the same device."""
+    if B != 1:
+        raise ValueError(f"{op}: cu_seqlens needs batch size 1 (all documents laid end to end in one row), got B={B}")
+    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+        raise ValueError(f"{op}: cu_seqlens must be a 1-D int32 (or int64) tensor [n_docs + 1], got "
+                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
+                         f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    cu = cu_seqlens.tolist()
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != N or any(b < a for a, b in zip(cu, cu[1:])):
+        shown = cu if len(cu) <= 8 else cu[:4] + ["..."] + cu[-3:]
+        raise ValueError(f"{op}: cu_seqlens must start at 0, never decrease and end at the sequence length "
+                         f"N={N}, got {shown}")
+    return cu_seqlens.long()
+
+
+def doc_index(cu_seqlens, N):
+    """The document of every position: [N] int64 (cu_seqlens already checked). Empty documents are skipped."""
+    return torch.searchsorted(cu_seqlens[1:], torch.arange(N, device=cu_seqlens.device), right=True)
+
+
+def doc_positions(cu_seqlens, N):
+    """Position of every token inside its document: [N] int64 (RoPE restarts at each document)."""
+    return torch.arange(N, device=cu_seqlens.device) - cu_seqlens[doc_index(cu_seqlens, N)]
+
+
+def attention(q, k, v, *, window=None, sinks=None, scale=None, backend=None, cu_seqlens=None):
     """Causal softmax attention; query t sits at absolute position S - T + t.
 
     q [B,T,Hq,Dk]  k [B,S,Hkv,Dk]  v [B,S,Hkv,Dv]  ->  o [B,T,Hq,Dv]
     window: each query sees exactly `window` keys (itself included); None = global.
     sinks:  [Hq] learned sink logits (a softmax column with no value); None = no sinks.
+    cu_seqlens: packed documents (B == 1, T == S): a query sees only keys of its own document.
     """
     B, T, Hq, Dk = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -35,27 +68,45 @@ def attention(q, k, v, *, window=None, sinks=None, scale=None, backend=None):
         raise ValueError(f"attention: need S >= T and Hq % Hkv == 0, got T={T} S={S} Hq={Hq} Hkv={Hkv}")
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be >= 1 or None, got {window}")
+    if cu_seqlens is not None:
+        if S != T:
+            raise ValueError(f"attention: cu_seqlens needs queries and keys of the same length, got T={T} S={S}")
+        cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, "attention")
     if _pick(backend, q) == "torch":
         from .torch_attention import attention_torch
-        return attention_torch(q, k, v, window=window, sinks=sinks, scale=scale)
+        return attention_torch(q, k, v, window=window, sinks=sinks, scale=scale, cu_seqlens=cu_seqlens)
     from .triton_attention import attention_triton
-    return attention_triton(q, k, v, window=window, sinks=sinks, scale=scale)
+    return attention_triton(q, k, v, window=window, sinks=sinks, scale=scale, cu_seqlens=cu_seqlens)
 
 
-def delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, backend=None):
+def _check_packed_state(op, cu_seqlens, q, initial_state, output_final_state):
+    """Packed documents: validated boundaries; states per document are not supported (refused)."""
+    if cu_seqlens is None:
+        return None
+    if initial_state is not None or output_final_state:
+        raise ValueError(f"{op}: initial_state / output_final_state are not supported with cu_seqlens "
+                         f"(every document starts from a zero state); run documents with a state one by one")
+    return check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], op)
+
+
+def delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, backend=None,
+               cu_seqlens=None):
     """Gated delta rule (KDA per-channel gate g [B,T,H,K], GDN per-head gate g [B,T,H]).
 
     S_t = Diag(exp(g_t)) S_{t-1};  S_t += beta_t k_t (v_t - S_t^T k_t)^T;  o_t = S_t^T (scale q_t)
     q,k [B,T,H,K]  v [B,T,H,V]  beta [B,T,H]  state [B,H,K,V] float32.
     Returns (o [B,T,H,V], final_state or None).
+    cu_seqlens: packed documents (B == 1): the state restarts from zero at every document start;
+    not combinable with initial_state / output_final_state.
     """
+    cu_seqlens = _check_packed_state("delta_rule", cu_seqlens, q, initial_state, output_final_state)
     if _pick(backend, q) == "torch":
         from .torch_delta_rule import delta_rule_torch
         return delta_rule_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                output_final_state=output_final_state)
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     from .triton_delta_rule import delta_rule_triton
     return delta_rule_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             output_final_state=output_final_state)
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def delta_rule_step(q, k, v, g, beta, state, *, scale=None, backend=None):
@@ -71,13 +122,15 @@ def delta_rule_step(q, k, v, g, beta, state, *, scale=None, backend=None):
     return delta_rule_step_triton(q, k, v, g, beta, state, scale=scale)
 
 
-def linear_attention(q, k, v, *, scale=None, initial_state=None, output_final_state=False):
+def linear_attention(q, k, v, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Plain linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t) (identity feature map,
     no normaliser). q,k [B,T,H,K]  v [B,T,H,V]. Returns (o, final_state or None). Torch path only: it is
-    a few batched matmuls per chunk, which PyTorch already runs well on a GPU."""
+    a few batched matmuls per chunk, which PyTorch already runs well on a GPU. cu_seqlens: packed
+    documents, as for delta_rule."""
+    cu_seqlens = _check_packed_state("linear_attention", cu_seqlens, q, initial_state, output_final_state)
     from .torch_delta_rule import linear_attention_torch
     return linear_attention_torch(q, k, v, scale=scale, initial_state=initial_state,
-                                  output_final_state=output_final_state)
+                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def linear_attention_step(q, k, v, state, *, scale=None):

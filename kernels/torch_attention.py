@@ -3,6 +3,8 @@
 Global attention without sinks goes to PyTorch's fused SDPA. Everything else (windows, sinks,
 queries offset against a longer key range) runs query block by query block, each block against only
 the keys it can see, so a windowed layer costs O(T * (block + window)) memory, never T x S.
+Packed documents (cu_seqlens) take the blocked path: a query also hides every key before the start
+of its document, and a block starts its key range at its first query's document start.
 """
 import torch
 import torch.nn.functional as F
@@ -10,22 +12,26 @@ import torch.nn.functional as F
 BLOCK_Q = 128  # queries per block in the blocked path
 
 
-def attention_torch(q, k, v, *, window=None, sinks=None, scale=None):
+def attention_torch(q, k, v, *, window=None, sinks=None, scale=None, cu_seqlens=None):
     T, Hq, Dk = q.shape[1:]
     S, Hkv = k.shape[1], k.shape[2]
     scale = Dk ** -0.5 if scale is None else scale
     offset = S - T                       # query t sits at absolute position offset + t
     if window is not None and window >= S:
         window = None                    # every query already sees all its causal keys
-    if sinks is None and window is None and (offset == 0 or T == 1):
+    doc_start = None                     # [S]: first position of each position's document
+    if cu_seqlens is not None:
+        from . import doc_index
+        doc_start = cu_seqlens[doc_index(cu_seqlens, S)]
+    if sinks is None and window is None and doc_start is None and (offset == 0 or T == 1):
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             is_causal=offset == 0 and T > 1, scale=scale, enable_gqa=Hq != Hkv)
         return o.transpose(1, 2)
-    return _blocked(q, k, v, window, sinks, scale, offset)
+    return _blocked(q, k, v, window, sinks, scale, offset, doc_start)
 
 
-def _blocked(q, k, v, window, sinks, scale, offset):
+def _blocked(q, k, v, window, sinks, scale, offset, doc_start=None):
     B, T, Hq, Dk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     G = Hq // Hkv                                                # query heads per kv head
@@ -37,12 +43,16 @@ def _blocked(q, k, v, window, sinks, scale, offset):
         t1 = min(T, t0 + BLOCK_Q)
         hi = offset + t1                                         # keys after the last query are unseen
         lo = 0 if window is None else max(0, offset + t0 - window + 1)
+        if doc_start is not None:                                # no key before the block's first document
+            lo = max(lo, int(doc_start[offset + t0]))
         scores = torch.einsum("bhgtd,bhsd->bhgts", qg[:, :, :, t0:t1].float(), kh[:, :, lo:hi].float()) * scale
         qpos = torch.arange(offset + t0, offset + t1, device=q.device)[:, None]
         kpos = torch.arange(lo, hi, device=q.device)[None, :]
         visible = kpos <= qpos
         if window is not None:
             visible = visible & (kpos > qpos - window)
+        if doc_start is not None:
+            visible = visible & (kpos >= doc_start[offset + t0:offset + t1, None])
         scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is None:
             p = scores.softmax(-1)

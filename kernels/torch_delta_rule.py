@@ -38,6 +38,14 @@ Plain linear attention (`kind: linear`): S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T 
 not a special case of the delta rule (which writes a correction, not k v^T), so it has its own small
 chunked function and step below.
 
+Packed documents (cu_seqlens, B == 1): with doc_i the document of position i, a boundary inside a
+chunk is handled by masks on the chunk matrices, nothing is padded:
+    A[i,j], P[i,j]   kept only when doc_i == doc_j (so (I + A)^-1 is block diagonal per document)
+    exp(G_i) in W and in q * exp(G)      only where doc_i continues from the chunk start ("cont")
+    exp(G_last) on S0 in S_next          only when the chunk's last row continues from its start
+    k_j in S_next                        only where doc_j is the document of the chunk's last row
+Every masked term is finite before the mask (exponents stay <= 0), so gradients stay clean.
+
 Gradients come from autograd through the chunked forward.
 """
 import torch
@@ -71,11 +79,24 @@ def _join_blocks(diag_blocks, lower_left):
     return torch.cat([top, bottom], dim=-2)                       # [..., n, 2h, 2h]
 
 
-def _chunk_matrices(q, k, G, beta):
+def _doc_masks(cu_seqlens, T_pad, C):
+    """Packed-document masks of every chunk (float32, broadcast over B and H):
+    doc [N, C, 1] document id (padding rows: the last document), cont [N, C, 1] continues from the
+    chunk start, last [N, C, 1] is in the chunk's last row's document, carry [N, 1, 1] the chunk's
+    last row continues from the chunk start."""
+    from . import doc_index
+    doc = doc_index(cu_seqlens, T_pad).clamp_max(len(cu_seqlens) - 2).view(T_pad // C, C)
+    before = torch.cat([doc[:1, :1], doc[:-1, -1:]])                   # [N, 1]: doc of the row before
+    cont = (doc == before).float()[..., None]
+    last = (doc == doc[:, -1:]).float()[..., None]
+    return doc.float()[..., None], cont, last, cont[:, -1:]
+
+
+def _chunk_matrices(q, k, G, beta, doc=None):
     """The state-independent matrices of each chunk, without a [C, C, K] tensor.
 
     q, k [..., C, K]  G [..., C, K] or [..., C, 1] (cumulative log decay from the chunk start)
-    beta [..., C, 1]. Returns
+    beta [..., C, 1]  doc [..., C, 1] document ids (packed documents: cross-document pairs are 0). Returns
       P     [..., C, C]: (q_i * exp(G_i - G_j)) . k_j for j <= i, else 0
       T_inv [..., C, C]: (I + A)^-1 with A[i,j] = beta_i (k_i * exp(G_i - G_j)) . k_j for j < i
     """
@@ -88,22 +109,28 @@ def _chunk_matrices(q, k, G, beta):
         halves = lambda x: x.reshape(*lead, C // L, 2, h, x.shape[-1]).unbind(-3)  # low, high: [..., C/L, h, D]
         (G_low, G_high), (k_low, k_high), q_high = halves(G), halves(k), halves(q)[1]
         beta_high = halves(beta)[1]                               # [..., C/L, h, 1]
+        same = 1.0
+        if doc is not None:                                       # [..., C/L, h, h]: same document
+            doc_low, doc_high = halves(doc)
+            same = (doc_high == doc_low.transpose(-1, -2)).float()
         G_ref = G_low[..., h - 1:, :]                             # [..., C/L, 1, K]: last of the low half
         k_low_t = (k_low * torch.exp(G_ref - G_low)).transpose(-1, -2)   # [..., C/L, K, h], exponent <= 0
         from_ref = torch.exp(G_high - G_ref)                             # exponent <= 0
-        P = _join_blocks(P, (q_high * from_ref) @ k_low_t)        # [..., C/L, L, L]
-        A21 = beta_high * ((k_high * from_ref) @ k_low_t)         # [..., C/L, h, h]
+        P = _join_blocks(P, same * ((q_high * from_ref) @ k_low_t))      # [..., C/L, L, L]
+        A21 = same * beta_high * ((k_high * from_ref) @ k_low_t)         # [..., C/L, h, h]
         T11_inv, T22_inv = T_inv.unflatten(-3, (-1, 2)).unbind(-3)
         T_inv = _join_blocks(T_inv, -(T22_inv @ A21) @ T11_inv)
         L *= 2
     return P.squeeze(-3), T_inv.squeeze(-3)
 
 
-def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
+def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                     cu_seqlens=None):
     """Chunked gated delta rule (see the module docstring for the math).
 
     q, k [B,T,H,K]  v [B,T,H,V]  g [B,T,H,K] (per channel) or [B,T,H] (per head), g <= 0
     beta [B,T,H] in (0,1)  initial_state [B,H,K,V] (float32) or None.
+    cu_seqlens: int64 [n_docs + 1] packed documents (B == 1, checked by the caller), or None.
     Returns (o [B,T,H,V] in q's dtype, final_state [B,H,K,V] float32 or None).
     """
     B, T, H, K = q.shape
@@ -129,14 +156,16 @@ def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output
         G = G[..., None]                                          # [B,H,N,C,1], broadcasts over K
 
     # state-independent, all chunks at once
-    P, T_inv = _chunk_matrices(q, k, G, beta)                     # [B,H,N,C,C] each
-    decay_from_start = torch.exp(G)                               # [B,H,N,C,K or 1]
+    doc, cont, last, carry = (None, 1.0, 1.0, 1.0) if cu_seqlens is None else _doc_masks(cu_seqlens, T_pad, C)
+    doc = None if doc is None else doc.expand(B, H, N, C, 1)
+    P, T_inv = _chunk_matrices(q, k, G, beta, doc)                # [B,H,N,C,C] each
+    decay_from_start = torch.exp(G) * cont                        # [B,H,N,C,K or 1]: 0 after a boundary
     WU = T_inv @ torch.cat([beta * k * decay_from_start, beta * v], dim=-1)   # [B,H,N,C,K+V]
     W, U = WU[..., :K], WU[..., K:]                               # [B,H,N,C,K], [B,H,N,C,V]
     q_decayed = q * decay_from_start                              # [B,H,N,C,K]: q_i decayed from the chunk start
     G_last = G[..., C - 1:, :]                                    # [B,H,N,1,K or 1]
-    k_to_end_t = (k * torch.exp(G_last - G)).transpose(-1, -2)    # [B,H,N,K,C]: k_j decayed to the chunk end
-    state_decay = torch.exp(G_last).transpose(-1, -2)             # [B,H,N,K or 1,1]
+    k_to_end_t = (k * torch.exp(G_last - G) * last).transpose(-1, -2)  # [B,H,N,K,C]: k_j decayed to the chunk end
+    state_decay = (torch.exp(G_last) * carry).transpose(-1, -2)   # [B,H,N,K or 1,1]
 
     # the recurrence over chunks: only S is carried
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
@@ -170,12 +199,15 @@ def delta_rule_step_torch(q, k, v, g, beta, state, *, scale=None):
     return o.to(dtype)
 
 
-def linear_attention_torch(q, k, v, *, scale=None, initial_state=None, output_final_state=False):
+def linear_attention_torch(q, k, v, *, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None):
     """Chunked plain linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale * q_t).
 
     q, k [B,T,H,K]  v [B,T,H,V]  initial_state [B,H,K,V] float32 or None; scale defaults to K ** -0.5
     (pass scale=1.0 for the bare o_t = S_t^T q_t). Returns (o [B,T,H,V], final_state or None).
     Per chunk: O = q S0 + tril(q k^T) v; the chunk-start states are a cumulative sum of k^T v.
+    Packed documents (cu_seqlens): the masks of delta_rule_torch, and the chunk-start states are
+    carried chunk by chunk (a sum that restarts where a document starts).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -186,11 +218,22 @@ def linear_attention_torch(q, k, v, *, scale=None, initial_state=None, output_fi
     qc = _to_chunks(q, T_pad, C) * scale                          # [B,H,N,C,K]
     kc = _to_chunks(k, T_pad, C)                                  # [B,H,N,C,K]
     vc = _to_chunks(v, T_pad, C)                                  # [B,H,N,C,V]
-    kv = kc.transpose(-1, -2) @ vc                                # [B,H,N,K,V]: each chunk's total write
     S0 = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
-    before = torch.cat([torch.zeros_like(kv[:, :, :1]), kv[:, :, :-1].cumsum(2)], dim=2)
-    starts = S0[:, :, None] + before                              # [B,H,N,K,V]: state before each chunk
-    o = qc @ starts + (qc @ kc.transpose(-1, -2)).tril() @ vc     # [B,H,N,C,V]
+    qk = (qc @ kc.transpose(-1, -2)).tril()                       # [B,H,N,C,C]
+    if cu_seqlens is None:
+        kv = kc.transpose(-1, -2) @ vc                            # [B,H,N,K,V]: each chunk's total write
+        before = torch.cat([torch.zeros_like(kv[:, :, :1]), kv[:, :, :-1].cumsum(2)], dim=2)
+        starts = S0[:, :, None] + before                          # [B,H,N,K,V]: state before each chunk
+    else:
+        doc, cont, last, carry = _doc_masks(cu_seqlens, T_pad, C)
+        kv = (kc * last).transpose(-1, -2) @ vc                   # the write of the chunk's last document
+        qc, qk = qc * cont, qk * (doc == doc.transpose(-1, -2))
+        starts, S = [], S0
+        for kv_n, carry_n in zip(kv.unbind(2), carry.unbind(0)):
+            starts.append(S)
+            S = S * carry_n + kv_n
+        starts = torch.stack(starts, dim=2)                       # [B,H,N,K,V]
+    o = qc @ starts + qk @ vc                                     # [B,H,N,C,V]
     final = starts[:, :, -1] + kv[:, :, -1] if output_final_state else None
     return _from_chunks(o, T).to(q.dtype), final
 

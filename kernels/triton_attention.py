@@ -29,6 +29,12 @@ Backward (recompute, never store P): with delta_i = rowsum(dO_i * O_i),
     dQ = scale * ds K    dK = scale * ds^T Q
     d_sink_h = -sum_{b,i} exp(s_h - lse_i) * delta_i
 
+Packed documents (cu_seqlens, B == 1, T == S): per position the first position of its document
+(doc_start) and the end of it (doc_end, exclusive). Query i also hides keys j < doc_start[i]: the
+forward and dQ mask with key_lo_i = max(i - W + 1, doc_start[i]), the dK/dV side with the query bound
+min(j + W, doc_end[j]). Both are monotone in position, so the block ranges are just narrowed by the
+first and last row's bounds: a tile that straddles a boundary is masked, nothing is padded.
+
 dK/dV are computed by one program per key block of one kv head, looping over the query heads of
 its GQA group and over the query blocks that see it (no atomics); dQ by one program per query
 block, looping over key blocks exactly like the forward.
@@ -70,7 +76,7 @@ def _prune_for_short_queries(configs, named_args, **kwargs):
 def _autotune(configs, prune=None):
     if INTERPRET:
         return lambda fn: fn
-    return triton.autotune(configs, key=["T_BUCKET", "S_BUCKET", "BLOCK_DK", "BLOCK_DV", "HAS_SINKS"],
+    return triton.autotune(configs, key=["T_BUCKET", "S_BUCKET", "BLOCK_DK", "BLOCK_DV", "HAS_SINKS", "HAS_DOCS"],
                            prune_configs_by={"early_config_prune": prune} if prune else None)
 
 
@@ -112,11 +118,46 @@ def _query_blocks_for_keys(k_first, offset, T, window, BLOCK_M: tl.constexpr, BL
     return lo, full_lo, full_hi, hi
 
 
+@triton.jit
+def _clamp_ranges(lo, full_lo, full_hi, hi):
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _key_blocks_in_documents(lo, full_lo, full_hi, hi, start_first, start_last, BLOCK_N: tl.constexpr):
+    """Narrow _key_blocks_for_queries' ranges to keys >= the document start of the first query
+    (start_first) and, for the full blocks, of the last query (start_last)."""
+    lo = tl.maximum(lo, start_first // BLOCK_N)
+    full_lo = tl.maximum(full_lo, (start_last + BLOCK_N - 1) // BLOCK_N)
+    return _clamp_ranges(lo, full_lo, full_hi, hi)
+
+
+@triton.jit
+def _query_blocks_in_documents(lo, full_lo, full_hi, hi, end_first, end_last, offset, BLOCK_M: tl.constexpr):
+    """Narrow _query_blocks_for_keys' ranges to queries before the document end of the block's last
+    key (end_last, exclusive) and, for the full blocks, of its first key (end_first)."""
+    hi = tl.minimum(hi, (tl.maximum(end_last - offset, 0) + BLOCK_M - 1) // BLOCK_M)
+    full_hi = tl.minimum(full_hi, tl.maximum(end_first - offset, 0) // BLOCK_M)
+    return _clamp_ranges(lo, full_lo, full_hi, hi)
+
+
+@triton.jit
+def _query_key_lo(q_pos, t, T, window, DOC_START, HAS_DOCS: tl.constexpr):
+    """The first key each query row sees: q_pos - window + 1, and not before its document start."""
+    key_lo = q_pos - window + 1
+    if HAS_DOCS:
+        key_lo = tl.maximum(key_lo, tl.load(DOC_START + t, mask=t < T, other=0))
+    return key_lo
+
+
 # --------------------------------------------------------------------------- forward
 
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, q_pos, K_head, V_head, stride_ks, stride_kd, stride_vs, stride_vd,
-               block_lo, block_hi, S, Dk, Dv, window, qk_scale,
+               block_lo, block_hi, S, Dk, Dv, key_lo, qk_scale,
                MASKED: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -128,7 +169,7 @@ def _fwd_inner(acc, m_i, l_i, q, q_pos, K_head, V_head, stride_ks, stride_kd, st
                      mask=k_in[None, :] & (offs_dk[:, None] < Dk), other=0.0)            # [BLOCK_DK, BLOCK_N]
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale                           # [BLOCK_M, BLOCK_N], log2 units
         if MASKED:
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= key_lo[:, None])
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)                                                      # rescale old rows
@@ -143,13 +184,13 @@ def _fwd_inner(acc, m_i, l_i, q, q_pos, K_head, V_head, stride_ks, stride_kd, st
 
 @_autotune(_FWD_CONFIGS, prune=_prune_for_short_queries)
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, SINKS, O, LSE2,
+def _attn_fwd_kernel(Q, K, V, SINKS, DOC_START, O, LSE2,
                      stride_qb, stride_qt, stride_qh, stride_qd,
                      stride_kb, stride_ks, stride_kh, stride_kd,
                      stride_vb, stride_vs, stride_vh, stride_vd,
                      stride_ob, stride_ot, stride_oh, stride_od,
                      T, S, Hq, group, Dk, Dv, window, sm_scale, T_BUCKET, S_BUCKET,
-                     HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+                     HAS_SINKS: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -186,14 +227,18 @@ def _attn_fwd_kernel(Q, K, V, SINKS, O, LSE2,
     q_first = offset + pid_m * BLOCK_M
     q_last = offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, T - 1)
     lo, full_lo, full_hi, hi = _key_blocks_for_queries(q_first, q_last, window, BLOCK_N)
+    key_lo = _query_key_lo(q_pos, t, T, window, DOC_START, HAS_DOCS)                      # [BLOCK_M]
+    if HAS_DOCS:   # T == S: query index == position
+        lo, full_lo, full_hi, hi = _key_blocks_in_documents(lo, full_lo, full_hi, hi, tl.load(DOC_START + q_first),
+                                                            tl.load(DOC_START + q_last), BLOCK_N)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_pos, K_head, V_head, stride_ks, stride_kd, stride_vs,
-                               stride_vd, lo, full_lo, S, Dk, Dv, window, qk_scale,
+                               stride_vd, lo, full_lo, S, Dk, Dv, key_lo, qk_scale,
                                True, PRECISION, BLOCK_N, BLOCK_DK, BLOCK_DV)              # window edge
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_pos, K_head, V_head, stride_ks, stride_kd, stride_vs,
-                               stride_vd, full_lo, full_hi, S, Dk, Dv, window, qk_scale,
+                               stride_vd, full_lo, full_hi, S, Dk, Dv, key_lo, qk_scale,
                                False, PRECISION, BLOCK_N, BLOCK_DK, BLOCK_DV)             # fully visible
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_pos, K_head, V_head, stride_ks, stride_kd, stride_vs,
-                               stride_vd, full_hi, hi, S, Dk, Dv, window, qk_scale,
+                               stride_vd, full_hi, hi, S, Dk, Dv, key_lo, qk_scale,
                                True, PRECISION, BLOCK_N, BLOCK_DK, BLOCK_DV)              # causal diagonal
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)                    # only padding rows (t >= T) can have l == 0
@@ -229,7 +274,7 @@ def _bwd_delta_kernel(O, DO, DELTA,
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, q_pos, K_head, V_head, stride_ks, stride_kd, stride_vs, stride_vd,
-              block_lo, block_hi, S, Dk, Dv, window, qk_scale,
+              block_lo, block_hi, S, Dk, Dv, key_lo, qk_scale,
               MASKED: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -243,7 +288,7 @@ def _dq_inner(dq, q, do, lse2, delta, q_pos, K_head, V_head, stride_ks, stride_k
                      mask=k_in[None, :] & (offs_dv[:, None] < Dv), other=0.0)            # [BLOCK_DV, BLOCK_N]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                  # [BLOCK_M, BLOCK_N]
         if MASKED:
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & k_in[None, :]
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= key_lo[:, None]) & k_in[None, :]
             s = tl.where(visible, s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])                                                    # softmax, recomputed
         dp = tl.dot(do, vT, input_precision=PRECISION)                                    # [BLOCK_M, BLOCK_N]
@@ -254,14 +299,14 @@ def _dq_inner(dq, q, do, lse2, delta, q_pos, K_head, V_head, stride_ks, stride_k
 
 @_autotune(_BWD_CONFIGS, prune=_prune_for_short_queries)
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ,
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DOC_START, DQ,
                         stride_qb, stride_qt, stride_qh, stride_qd,
                         stride_kb, stride_ks, stride_kh, stride_kd,
                         stride_vb, stride_vs, stride_vh, stride_vd,
                         stride_dob, stride_dot, stride_doh, stride_dod,
                         stride_dqb, stride_dqt, stride_dqh, stride_dqd,
                         T, S, Hq, group, Dk, Dv, window, sm_scale, T_BUCKET, S_BUCKET,
-                        HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+                        HAS_SINKS: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -290,12 +335,16 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ,
     q_first = offset + pid_m * BLOCK_M
     q_last = offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, T - 1)
     lo, full_lo, full_hi, hi = _key_blocks_for_queries(q_first, q_last, window, BLOCK_N)
+    key_lo = _query_key_lo(q_pos, t, T, window, DOC_START, HAS_DOCS)
+    if HAS_DOCS:
+        lo, full_lo, full_hi, hi = _key_blocks_in_documents(lo, full_lo, full_hi, hi, tl.load(DOC_START + q_first),
+                                                            tl.load(DOC_START + q_last), BLOCK_N)
     dq = _dq_inner(dq, q, do, lse2, delta, q_pos, K_head, V_head, stride_ks, stride_kd, stride_vs, stride_vd,
-                   lo, full_lo, S, Dk, Dv, window, qk_scale, True, PRECISION, BLOCK_N, BLOCK_DK, BLOCK_DV)
+                   lo, full_lo, S, Dk, Dv, key_lo, qk_scale, True, PRECISION, BLOCK_N, BLOCK_DK, BLOCK_DV)
     dq = _dq_inner(dq, q, do, lse2, delta, q_pos, K_head, V_head, stride_ks, stride_kd, stride_vs, stride_vd,
-                   full_lo, full_hi, S, Dk, Dv, window, qk_scale, False, PRECISION, BLOCK_N, BLOCK_DK, BLOCK_DV)
+                   full_lo, full_hi, S, Dk, Dv, key_lo, qk_scale, False, PRECISION, BLOCK_N, BLOCK_DK, BLOCK_DV)
     dq = _dq_inner(dq, q, do, lse2, delta, q_pos, K_head, V_head, stride_ks, stride_kd, stride_vs, stride_vd,
-                   full_hi, hi, S, Dk, Dv, window, qk_scale, True, PRECISION, BLOCK_N, BLOCK_DK, BLOCK_DV)
+                   full_hi, hi, S, Dk, Dv, key_lo, qk_scale, True, PRECISION, BLOCK_N, BLOCK_DK, BLOCK_DV)
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + t[:, None] * stride_dqt + offs_dk[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=t_in[:, None] & (offs_dk[None, :] < Dk))
 
@@ -303,7 +352,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ,
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE2_head, DELTA_head,
                 stride_qt, stride_qd, stride_dot, stride_dod,
-                block_lo, block_hi, T, offset, Dk, Dv, window, qk_scale,
+                block_lo, block_hi, T, offset, Dk, Dv, q_end, qk_scale,
                 MASKED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -320,7 +369,7 @@ def _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE2_head, DELTA_head,
         sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale                 # [BLOCK_N, BLOCK_M]
         if MASKED:
             q_pos = offset + t
-            visible = (k_pos[:, None] <= q_pos[None, :]) & (k_pos[:, None] > q_pos[None, :] - window) & t_in[None, :]
+            visible = (k_pos[:, None] <= q_pos[None, :]) & (q_pos[None, :] < q_end[:, None]) & t_in[None, :]
             sT = tl.where(visible, sT, float("-inf"))
         pT = tl.exp2(sT - lse2[None, :])                                                  # P^T, recomputed
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)                      # [BLOCK_N, BLOCK_DV]
@@ -332,7 +381,7 @@ def _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE2_head, DELTA_head,
 
 @_autotune(_BWD_CONFIGS)
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DOC_END, DK, DV,
                           stride_qb, stride_qt, stride_qh, stride_qd,
                           stride_kb, stride_ks, stride_kh, stride_kd,
                           stride_vb, stride_vs, stride_vh, stride_vd,
@@ -340,7 +389,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV,
                           stride_dkb, stride_dks, stride_dkh, stride_dkd,
                           stride_dvb, stride_dvs, stride_dvh, stride_dvd,
                           T, S, Hq, Hkv, group, Dk, Dv, window, sm_scale, T_BUCKET, S_BUCKET,
-                          HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+                          HAS_SINKS: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -363,6 +412,12 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV,
     qk_scale = sm_scale * 1.4426950408889634
 
     lo, full_lo, full_hi, hi = _query_blocks_for_keys(k_first, offset, T, window, BLOCK_M, BLOCK_N)
+    q_end = k_pos + window                                   # [BLOCK_N]: queries before q_end see the key
+    if HAS_DOCS:                                             # ... and before the end of its document
+        q_end = tl.minimum(q_end, tl.load(DOC_END + k_pos, mask=k_in, other=S))
+        k_last = tl.minimum(k_first + BLOCK_N - 1, S - 1)
+        lo, full_lo, full_hi, hi = _query_blocks_in_documents(lo, full_lo, full_hi, hi, tl.load(DOC_END + k_first),
+                                                              tl.load(DOC_END + k_last), offset, BLOCK_M)
     for g in range(group):                                   # the query heads that read this kv head
         h = h_kv * group + g
         Q_head = Q + b.to(tl.int64) * stride_qb + h * stride_qh
@@ -371,13 +426,13 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV,
         DELTA_head = DELTA + (b * Hq + h).to(tl.int64) * T
         dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE2_head, DELTA_head,
                              stride_qt, stride_qd, stride_dot, stride_dod, lo, full_lo, T, offset, Dk, Dv,
-                             window, qk_scale, True, PRECISION, BLOCK_M, BLOCK_DK, BLOCK_DV)
+                             q_end, qk_scale, True, PRECISION, BLOCK_M, BLOCK_DK, BLOCK_DV)
         dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE2_head, DELTA_head,
                              stride_qt, stride_qd, stride_dot, stride_dod, full_lo, full_hi, T, offset, Dk, Dv,
-                             window, qk_scale, False, PRECISION, BLOCK_M, BLOCK_DK, BLOCK_DV)
+                             q_end, qk_scale, False, PRECISION, BLOCK_M, BLOCK_DK, BLOCK_DV)
         dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Q_head, DO_head, LSE2_head, DELTA_head,
                              stride_qt, stride_qd, stride_dot, stride_dod, full_hi, hi, T, offset, Dk, Dv,
-                             window, qk_scale, True, PRECISION, BLOCK_M, BLOCK_DK, BLOCK_DV)
+                             q_end, qk_scale, True, PRECISION, BLOCK_M, BLOCK_DK, BLOCK_DV)
 
     tl.store(DK + b.to(tl.int64) * stride_dkb + h_kv * stride_dkh + k_pos[:, None] * stride_dks + offs_dk[None, :] * stride_dkd,
              (dk * sm_scale).to(DK.dtype.element_ty), mask=k_in[:, None] & (offs_dk[None, :] < Dk))
@@ -407,20 +462,30 @@ def _common(q, k, v, window, scale):
     return B, T, S, Hq, Hkv, Dk, Dv, window, scale, shape_args
 
 
-def _forward(q, k, v, window, sinks, scale):
-    """Returns (o [B,T,Hq,Dv], lse2 [B,Hq,T] fp32 in log2 units)."""
+def _doc_bounds(cu_seqlens, S):
+    """Packed documents: (doc_start, doc_end) [S] int32 of every position's document, or (None, None)."""
+    if cu_seqlens is None:
+        return None, None
+    from . import doc_index
+    doc = doc_index(cu_seqlens, S)
+    return cu_seqlens[doc].int().contiguous(), cu_seqlens[doc + 1].int().contiguous()
+
+
+def _forward(q, k, v, window, sinks, scale, docs=(None, None)):
+    """Returns (o [B,T,Hq,Dv], lse2 [B,Hq,T] fp32 in log2 units). docs: _doc_bounds(cu_seqlens)."""
     B, T, S, Hq, Hkv, Dk, Dv, window, scale, shape_args = _common(q, k, v, window, scale)
     o = torch.empty(B, T, Hq, Dv, device=q.device, dtype=q.dtype)
     lse2 = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
     sinks_arg = sinks.contiguous() if sinks is not None else lse2    # dummy pointer when unused
+    doc_start = docs[0] if docs[0] is not None else lse2
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731
-    _attn_fwd_kernel[grid](q, k, v, sinks_arg, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-                           T, S, Hq, Hq // Hkv, Dk, Dv, window, scale, HAS_SINKS=sinks is not None,
-                           **shape_args, **_launch_meta())
+    _attn_fwd_kernel[grid](q, k, v, sinks_arg, doc_start, o, lse2, *q.stride(), *k.stride(), *v.stride(),
+                           *o.stride(), T, S, Hq, Hq // Hkv, Dk, Dv, window, scale, HAS_SINKS=sinks is not None,
+                           HAS_DOCS=docs[0] is not None, **shape_args, **_launch_meta())
     return o, lse2
 
 
-def _backward(do, q, k, v, o, lse2, window, sinks, scale):
+def _backward(do, q, k, v, o, lse2, window, sinks, scale, docs=(None, None)):
     """Gradients from the saved (o, lse2). Returns (dq, dk, dv, d_sinks or None)."""
     B, T, S, Hq, Hkv, Dk, Dv, window, scale, shape_args = _common(q, k, v, window, scale)
     delta = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
@@ -431,15 +496,17 @@ def _backward(do, q, k, v, o, lse2, window, sinks, scale):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    has_sinks = sinks is not None
+    has_sinks, has_docs = sinks is not None, docs[0] is not None
+    doc_start, doc_end = docs if has_docs else (delta, delta)       # dummy pointers when unused
     grid_q = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731
-    _attn_bwd_dq_kernel[grid_q](q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                                *dq.stride(), T, S, Hq, Hq // Hkv, Dk, Dv, window, scale, HAS_SINKS=has_sinks,
-                                **shape_args, **_launch_meta())
+    _attn_bwd_dq_kernel[grid_q](q, k, v, do, lse2, delta, doc_start, dq, *q.stride(), *k.stride(), *v.stride(),
+                                *do.stride(), *dq.stride(), T, S, Hq, Hq // Hkv, Dk, Dv, window, scale,
+                                HAS_SINKS=has_sinks, HAS_DOCS=has_docs, **shape_args, **_launch_meta())
     grid_k = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
-    _attn_bwd_dkdv_kernel[grid_k](q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(),
+    _attn_bwd_dkdv_kernel[grid_k](q, k, v, do, lse2, delta, doc_end, dk, dv, *q.stride(), *k.stride(), *v.stride(),
                                   *do.stride(), *dk.stride(), *dv.stride(), T, S, Hq, Hkv, Hq // Hkv, Dk, Dv,
-                                  window, scale, HAS_SINKS=has_sinks, **shape_args, **_launch_meta())
+                                  window, scale, HAS_SINKS=has_sinks, HAS_DOCS=has_docs, **shape_args,
+                                  **_launch_meta())
 
     d_sinks = None
     if has_sinks:   # the sink's probability per row is exp(s_h - lse); its logit gets -p_sink * delta
@@ -463,25 +530,27 @@ def _on_device(x):
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, window, scale):
+    def forward(ctx, q, k, v, sinks, window, scale, cu_seqlens):
+        docs = _doc_bounds(cu_seqlens, k.shape[1])
         with _on_device(q):
-            o, lse2 = _forward(q, k, v, window, sinks, scale)
-        ctx.save_for_backward(q, k, v, sinks, o, lse2)
+            o, lse2 = _forward(q, k, v, window, sinks, scale, docs)
+        ctx.save_for_backward(q, k, v, sinks, o, lse2, *docs)
         ctx.window, ctx.scale = window, scale
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, sinks, o, lse2 = ctx.saved_tensors
+        q, k, v, sinks, o, lse2, doc_start, doc_end = ctx.saved_tensors
         with _on_device(q):
-            dq, dk, dv, d_sinks = _backward(do, q, k, v, o, lse2, ctx.window, sinks, ctx.scale)
-        return dq, dk, dv, d_sinks, None, None
+            dq, dk, dv, d_sinks = _backward(do, q, k, v, o, lse2, ctx.window, sinks, ctx.scale, (doc_start, doc_end))
+        return dq, dk, dv, d_sinks, None, None, None
 
 
-def attention_triton(q, k, v, *, window=None, sinks=None, scale=None):
+def attention_triton(q, k, v, *, window=None, sinks=None, scale=None, cu_seqlens=None):
     """Causal (optionally windowed, optionally with sinks) attention; differentiable. See module doc.
 
     q [B,T,Hq,Dk]  k [B,S,Hkv,Dk]  v [B,S,Hkv,Dv]  sinks [Hq] or None  ->  o [B,T,Hq,Dv] (q's dtype)
+    cu_seqlens: int64 [n_docs + 1] packed documents (B == 1, T == S; checked by the caller) or None.
     Any strides are accepted (nothing is copied).
     """
-    return _TritonAttention.apply(q, k, v, sinks, window, scale)
+    return _TritonAttention.apply(q, k, v, sinks, window, scale, cu_seqlens)

@@ -40,6 +40,13 @@ tensor-core dot can do the channel sum; pairs inside one sub-chunk are formed co
 the upper triangle masked to -inf before exp. This stays finite for per-step log decay of -20 or
 less (which a single reference point per chunk would overflow). Requires g <= 0 (as the layers make it).
 
+Packed documents (cu_seqlens, B == 1): doc [T_pad] int32 holds every row's document (padding rows:
+the last one). Inside a chunk, pairs of rows from different documents are zeroed in Ak and M (and
+their gradients in dAk, dM), so T is block diagonal per document; the three decays between rows and
+chunk states, exp(G) (from the chunk start), exp(G_L - G) (to the chunk end) and exp(G_L), are zeroed
+where a document boundary lies in between (_chunk_decays). Every masked value is finite, so the
+backward needs no other change; no document is padded.
+
 Per-head gates g [B,T,H] are broadcast to the channels by a torch expand (its backward sums dg over K).
 Inputs may be fp32, bf16 or fp16; all arithmetic and the state are fp32. Dots use IEEE fp32 for fp32
 inputs and TF32 for half inputs. K, V up to 256; non power-of-two sizes are padded and masked.
@@ -129,6 +136,34 @@ def _invert_unit_lower_16(a):
     return x
 
 
+@triton.jit
+def _chunk_decays(G, G_last, doc_ptr, chunk, HAS_DOCS: tl.constexpr):
+    """The decays between a chunk's rows and its states: exp(G) [64, BK] (from the chunk start),
+    exp(G_L - G) [64, BK] (to the chunk end), exp(G_L) [BK]. Packed documents: each is 0 where a
+    document boundary lies in between (the row's document did not start before the chunk / is not
+    the chunk's last document / the chunk holds a boundary)."""
+    e_start = tl.exp(G)
+    e_end = tl.exp(G_last[None, :] - G)  # exponent <= 0
+    e_last = tl.exp(G_last)
+    if HAS_DOCS:
+        doc = tl.load(doc_ptr + chunk * 64 + tl.arange(0, 64))
+        doc_before = tl.load(doc_ptr + tl.maximum(chunk * 64 - 1, 0))
+        doc_last = tl.load(doc_ptr + chunk * 64 + 63)
+        e_start = tl.where((doc == doc_before)[:, None], e_start, 0.0)
+        e_end = tl.where((doc == doc_last)[:, None], e_end, 0.0)
+        e_last = tl.where(doc_last == doc_before, e_last, 0.0)
+    return e_start, e_end, e_last
+
+
+@triton.jit
+def _same_doc(x, doc_ptr, rows_i, rows_j, HAS_DOCS: tl.constexpr):
+    """x [len(rows_i), len(rows_j)] with pairs of rows from different documents set to 0."""
+    if HAS_DOCS:
+        same = tl.load(doc_ptr + rows_i)[:, None] == tl.load(doc_ptr + rows_j)[None, :]
+        x = tl.where(same, x, 0.0)
+    return x
+
+
 # --------------------------------------------------------------------------------------------------
 # Forward stages
 # --------------------------------------------------------------------------------------------------
@@ -150,8 +185,9 @@ def _chunk_cumsum_kernel(g_ptr, G_ptr, T, H: tl.constexpr, K: tl.constexpr, BK: 
 
 @_autotune(_warps_configs(), key=["K"], interpret_meta={})
 @triton.jit
-def _chunk_intra_kernel(q_ptr, k_ptr, G_ptr, Ak_ptr, M_ptr, scale, T,
-                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
+def _chunk_intra_kernel(q_ptr, k_ptr, G_ptr, Ak_ptr, M_ptr, doc_ptr, scale, T,
+                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+                        HAS_DOCS: tl.constexpr):
     """F1: rows of sub-chunk s of Ak = tril((k_i Gamma_ij).k_j, -1) and M = scale tril((q_i Gamma_ij).k_j).
 
     Ak, M [B,T_pad,H,64] must be zero-initialised (blocks above the diagonal are not written).
@@ -180,8 +216,9 @@ def _chunk_intra_kernel(q_ptr, k_ptr, G_ptr, Ak_ptr, M_ptr, scale, T,
         k_J = _load_tile(k_ptr + qk_ptr_off, rows_J, cols, H * K, T, K)
         G_J = _load_tile(G_base, rows_J, cols, H * K, T_pad, K)
         k_j = k_J * tl.exp(G_r[None, :] - G_J)  # exp(G_r - G_j) <= 1
-        a_blk = tl.dot(k_i, tl.trans(k_j), input_precision=DOT_PREC)  # [16, 16]
-        m_blk = tl.dot(q_i, tl.trans(k_j), input_precision=DOT_PREC) * scale
+        a_blk = _same_doc(tl.dot(k_i, tl.trans(k_j), input_precision=DOT_PREC), doc_ptr, rows, rows_J, HAS_DOCS)
+        m_blk = _same_doc(tl.dot(q_i, tl.trans(k_j), input_precision=DOT_PREC) * scale, doc_ptr, rows, rows_J,
+                          HAS_DOCS)
         _store_tile(Ak_ptr + A_off, rows, J * 16 + idx, H * 64, T_pad, 64, a_blk)
         _store_tile(M_ptr + A_off, rows, J * 16 + idx, H * 64, T_pad, 64, m_blk)
     # diagonal block: column by column, upper triangle masked before exp
@@ -196,6 +233,8 @@ def _chunk_intra_kernel(q_ptr, k_ptr, G_ptr, Ak_ptr, M_ptr, scale, T,
         m_col = tl.sum(q_s * kj_gamma, axis=1) * scale
         a_diag = tl.where((idx[None, :] == j) & (idx[:, None] > j), a_col[:, None], a_diag)
         m_diag = tl.where((idx[None, :] == j) & (idx[:, None] >= j), m_col[:, None], m_diag)
+    a_diag = _same_doc(a_diag, doc_ptr, rows, rows, HAS_DOCS)
+    m_diag = _same_doc(m_diag, doc_ptr, rows, rows, HAS_DOCS)
     _store_tile(Ak_ptr + A_off, rows, s * 16 + idx, H * 64, T_pad, 64, a_diag)
     _store_tile(M_ptr + A_off, rows, s * 16 + idx, H * 64, T_pad, 64, m_diag)
 
@@ -264,9 +303,9 @@ def _chunk_solve_kernel(Ak_ptr, beta_ptr, Ti_ptr, T, H: tl.constexpr, DOT_PREC: 
 
 @_autotune(_bv_configs(), key=["K", "V"], interpret_meta=_INTERPRET_BV)
 @triton.jit
-def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, W_ptr, U_ptr, T,
+def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, W_ptr, U_ptr, doc_ptr, T,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
+                     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DOCS: tl.constexpr):
     """F3: W = T (beta k exp(G)) [64, K] and U = T (beta v) [64, V] per chunk."""
     chunk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
     b, h = bh // H, bh % H
@@ -277,7 +316,9 @@ def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, W_ptr, U_ptr, T,
     beta = tl.load(beta_ptr + (b * T * H + h) + rows * H, mask=rows < T, other=0.0).to(tl.float32)
     k = _load_tile(k_ptr + (b * T * H + h) * K, rows, cols_k, H * K, T, K)
     G = _load_tile(G_ptr + (b * T_pad * H + h) * K, rows, cols_k, H * K, T_pad, K)
-    w = tl.dot(t_inv, beta[:, None] * k * tl.exp(G), input_precision=DOT_PREC)  # [64, BK]
+    G_last = _load_row(G_ptr + (b * T_pad * H + h) * K, chunk * 64 + 63, cols_k, H * K, T_pad, K)
+    e_start, _, _ = _chunk_decays(G, G_last, doc_ptr, chunk, HAS_DOCS)
+    w = tl.dot(t_inv, beta[:, None] * k * e_start, input_precision=DOT_PREC)  # [64, BK]
     _store_tile(W_ptr + (b * T_pad * H + h) * K, rows, cols_k, H * K, T_pad, K, w)
     for v0 in range(0, V, BV):
         cols_v = v0 + tl.arange(0, BV)
@@ -288,10 +329,11 @@ def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, W_ptr, U_ptr, T,
 
 @_autotune(_bv_configs(), key=["K", "V"], interpret_meta=_INTERPRET_BV)
 @triton.jit
-def _chunk_state_fwd_kernel(k_ptr, G_ptr, W_ptr, U_ptr, Vn_ptr, h_ptr, h0_ptr, hT_ptr, T,
+def _chunk_state_fwd_kernel(k_ptr, G_ptr, W_ptr, U_ptr, Vn_ptr, h_ptr, h0_ptr, hT_ptr, doc_ptr, T,
                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr,
-                            HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_PREC: tl.constexpr):
+                            HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_PREC: tl.constexpr,
+                            HAS_DOCS: tl.constexpr):
     """F4: the sequential pass over chunks for one value tile; S [BK, BV] fp32 lives in registers.
 
     h [B,H,NT,K,V] receives the state at each chunk's start; Vn = U - W S [B,T_pad,H,V].
@@ -318,17 +360,18 @@ def _chunk_state_fwd_kernel(k_ptr, G_ptr, W_ptr, U_ptr, Vn_ptr, h_ptr, h0_ptr, h
         k = _load_tile(k_ptr + (b * T * H + h) * K, rows, cols_k, H * K, T, K)
         G = _load_tile(G_ptr + (b * T_pad * H + h) * K, rows, cols_k, H * K, T_pad, K)
         G_last = _load_row(G_ptr + (b * T_pad * H + h) * K, chunk * 64 + 63, cols_k, H * K, T_pad, K)
-        k_decayed = k * tl.exp(G_last[None, :] - G)  # k_i exp(G_L - G_i), exponent <= 0
-        S = S * tl.exp(G_last)[:, None] + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PREC)
+        _, e_end, e_last = _chunk_decays(G, G_last, doc_ptr, chunk, HAS_DOCS)
+        k_decayed = k * e_end  # k_i exp(G_L - G_i)
+        S = S * e_last[:, None] + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PREC)
     if STORE_HT:
         tl.store(hT_ptr + bh * K * V + state_off, S, mask=state_mask)
 
 
 @_autotune(_bv_configs(), key=["K", "V"], interpret_meta=_INTERPRET_BV)
 @triton.jit
-def _chunk_output_kernel(q_ptr, G_ptr, M_ptr, Vn_ptr, h_ptr, o_ptr, scale, T,
+def _chunk_output_kernel(q_ptr, G_ptr, M_ptr, Vn_ptr, h_ptr, o_ptr, doc_ptr, scale, T,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
+                         BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DOCS: tl.constexpr):
     """F5: O = scale (q exp(G)) S_chunk + M Vn, for one chunk and value tile."""
     chunk, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     b, h = bh // H, bh % H
@@ -342,7 +385,9 @@ def _chunk_output_kernel(q_ptr, G_ptr, M_ptr, Vn_ptr, h_ptr, o_ptr, scale, T,
     S = _load_tile(h_ptr + (bh * NT + chunk) * K * V, cols_k, cols_v, V, K, V)  # [BK, BV]
     m = _load_tile(M_ptr + (b * T_pad * H + h) * 64, rows, tl.arange(0, 64), H * 64, T_pad, 64)
     v_new = _load_tile(Vn_ptr + (b * T_pad * H + h) * V, rows, cols_v, H * V, T_pad, V)
-    o = tl.dot(q * tl.exp(G), S, input_precision=DOT_PREC) * scale + tl.dot(m, v_new, input_precision=DOT_PREC)
+    G_last = _load_row(G_ptr + (b * T_pad * H + h) * K, chunk * 64 + 63, cols_k, H * K, T_pad, K)
+    e_start, _, _ = _chunk_decays(G, G_last, doc_ptr, chunk, HAS_DOCS)
+    o = tl.dot(q * e_start, S, input_precision=DOT_PREC) * scale + tl.dot(m, v_new, input_precision=DOT_PREC)
     _store_tile(o_ptr + (b * T * H + h) * V, rows, cols_v, H * V, T, V, o)
 
 
@@ -352,9 +397,9 @@ def _chunk_output_kernel(q_ptr, G_ptr, M_ptr, Vn_ptr, h_ptr, o_ptr, scale, T,
 @_autotune(_bv_configs(), key=["K", "V"], interpret_meta=_INTERPRET_BV)
 @triton.jit
 def _chunk_state_bwd_kernel(q_ptr, k_ptr, G_ptr, W_ptr, M_ptr, do_ptr, dh_ptr, dVn_ptr, dhT_ptr, dh0_ptr,
-                            scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            doc_ptr, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
-                            DOT_PREC: tl.constexpr):
+                            DOT_PREC: tl.constexpr, HAS_DOCS: tl.constexpr):
     """B1: reverse pass over chunks for one value tile; dS [BK, BV] = dLoss/d(state at chunk end).
 
         dh[c] = dS;  dVn = M^T dO + (k exp(G_L - G)) dS
@@ -383,12 +428,13 @@ def _chunk_state_bwd_kernel(q_ptr, k_ptr, G_ptr, W_ptr, M_ptr, do_ptr, dh_ptr, d
         w = _load_tile(W_ptr + (b * T_pad * H + h) * K, rows, cols_k, H * K, T_pad, K)
         G = _load_tile(G_ptr + (b * T_pad * H + h) * K, rows, cols_k, H * K, T_pad, K)
         G_last = _load_row(G_ptr + (b * T_pad * H + h) * K, chunk * 64 + 63, cols_k, H * K, T_pad, K)
-        k_decayed = k * tl.exp(G_last[None, :] - G)
+        e_start, e_end, e_last = _chunk_decays(G, G_last, doc_ptr, chunk, HAS_DOCS)
+        k_decayed = k * e_end
         dv_new = tl.dot(tl.trans(m), do, input_precision=DOT_PREC) \
             + tl.dot(k_decayed, dS, input_precision=DOT_PREC)  # [64, BV]
         _store_tile(dVn_ptr + (b * T_pad * H + h) * V, rows, cols_v, H * V, T_pad, V, dv_new)
-        dS = dS * tl.exp(G_last)[:, None] \
-            + tl.dot(tl.trans(q * tl.exp(G)), do, input_precision=DOT_PREC) * scale \
+        dS = dS * e_last[:, None] \
+            + tl.dot(tl.trans(q * e_start), do, input_precision=DOT_PREC) * scale \
             - tl.dot(tl.trans(w), dv_new, input_precision=DOT_PREC)
     tl.store(dh0_ptr + bh * K * V + state_off, dS, mask=state_mask)
 
@@ -397,9 +443,9 @@ def _chunk_state_bwd_kernel(q_ptr, k_ptr, G_ptr, W_ptr, M_ptr, do_ptr, dh_ptr, d
 @triton.jit
 def _chunk_bwd_main_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, Ak_ptr, h_ptr, dh_ptr, do_ptr,
                            Vn_ptr, dVn_ptr,
-                           dv_ptr, dbeta_ptr, dAk_ptr, dMs_ptr, dq_ptr, dk_ptr, dG_ptr,
+                           dv_ptr, dbeta_ptr, dAk_ptr, dMs_ptr, dq_ptr, dk_ptr, dG_ptr, doc_ptr,
                            scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
+                           BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DOCS: tl.constexpr):
     """B2: everything of one chunk that needs no sub-chunk gating.
 
     With S0 = h[c], dS1 = dh[c], dVn from B1:
@@ -451,14 +497,14 @@ def _chunk_bwd_main_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, Ak_ptr,
     G = _load_tile(G_ptr + pad_k, rows, cols_k, H * K, T_pad, K)
     G_last = _load_row(G_ptr + pad_k, chunk * 64 + 63, cols_k, H * K, T_pad, K)
     # O = scale (q e^G) S0 + ...
-    e_G = tl.exp(G)
+    e_G, e_end, e_last = _chunk_decays(G, G_last, doc_ptr, chunk, HAS_DOCS)
     dq = d_qe * scale * e_G
     dG = dq * q
     # S1 = e^{G_L} S0 + (k e^{G_L - G})^T Vn
-    k_decayed = k * tl.exp(G_last[None, :] - G)
-    dk = d_kd * tl.exp(G_last[None, :] - G)
+    k_decayed = k * e_end
+    dk = d_kd * e_end
     dG -= d_kd * k_decayed
-    dG_last = d_decay_last * tl.exp(G_last) + tl.sum(d_kd * k_decayed, axis=0)  # [BK]
+    dG_last = d_decay_last * e_last + tl.sum(d_kd * k_decayed, axis=0)  # [BK]
     # W = T (beta k e^G)
     x = beta[:, None] * k * e_G
     d_t += tl.dot(d_w, tl.trans(x), input_precision=DOT_PREC)
@@ -473,9 +519,10 @@ def _chunk_bwd_main_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, Ak_ptr,
     d_a = tl.where(idx[:, None] > idx[None, :], d_a, 0.0)
     ak = _load_tile(Ak_ptr + pad_c, rows, idx, H * 64, T_pad, 64)
     d_beta += tl.sum(d_a * ak, axis=1)
-    _store_tile(dAk_ptr + pad_c, rows, idx, H * 64, T_pad, 64, d_a * beta[:, None])
+    _store_tile(dAk_ptr + pad_c, rows, idx, H * 64, T_pad, 64, _same_doc(d_a * beta[:, None], doc_ptr, rows, rows,
+                                                                         HAS_DOCS))
     _store_tile(dMs_ptr + pad_c, rows, idx, H * 64, T_pad, 64,
-                tl.where(idx[:, None] >= idx[None, :], d_m * scale, 0.0))
+                _same_doc(tl.where(idx[:, None] >= idx[None, :], d_m * scale, 0.0), doc_ptr, rows, rows, HAS_DOCS))
     tl.store(dbeta_ptr + (b * T * H + h) + rows * H, d_beta.to(dbeta_ptr.dtype.element_ty), mask=rows < T)
     _store_tile(dq_ptr + pad_k, rows, cols_k, H * K, T_pad, K, dq)
     _store_tile(dk_ptr + pad_k, rows, cols_k, H * K, T_pad, K, dk)
@@ -633,8 +680,15 @@ def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
-    """Runs F0..F5. q,k,g [B,T,H,K], v [B,T,H,V], beta [B,T,H] (contiguous, same device)."""
+def _doc_rows(cu_seqlens, T_pad):
+    """Packed documents: the document of every row [T_pad] int32 (padding rows: the last one)."""
+    from . import doc_index
+    return doc_index(cu_seqlens, T_pad).clamp_max(len(cu_seqlens) - 2).int().contiguous()
+
+
+def _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, doc=None):
+    """Runs F0..F5. q,k,g [B,T,H,K], v [B,T,H,V], beta [B,T,H] (contiguous, same device);
+    doc [T_pad] int32 (packed documents, B == 1) or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, CHUNK)
@@ -652,21 +706,23 @@ def _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
     h = torch.empty(B, H, NT, K, V, **f32)
     final_state = torch.empty(B, H, K, V, **f32) if output_final_state else None
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
+    docs = dict(HAS_DOCS=doc is not None)
+    doc = G if doc is None else doc  # dummy pointer when unused
 
     _chunk_cumsum_kernel[(NT, B * H)](g, G, T, H=H, K=K, BK=BK)
-    _chunk_intra_kernel[(NT * 4, B * H)](q, k, G, Ak, M, scale, T, H=H, K=K, BK=BK, DOT_PREC=prec)
+    _chunk_intra_kernel[(NT * 4, B * H)](q, k, G, Ak, M, doc, scale, T, H=H, K=K, BK=BK, DOT_PREC=prec, **docs)
     _chunk_solve_kernel[(NT, B * H)](Ak, beta, T_inv, T, H=H, DOT_PREC=prec)
-    _chunk_wy_kernel[(NT, B * H)](k, v, beta, G, T_inv, W, U, T, H=H, K=K, V=V, BK=BK, DOT_PREC=prec)
+    _chunk_wy_kernel[(NT, B * H)](k, v, beta, G, T_inv, W, U, doc, T, H=H, K=K, V=V, BK=BK, DOT_PREC=prec, **docs)
     _chunk_state_fwd_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * H)](
-        k, G, W, U, V_new, h, initial_state, final_state, T, H=H, K=K, V=V, BK=BK,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DOT_PREC=prec)
+        k, G, W, U, V_new, h, initial_state, final_state, doc, T, H=H, K=K, V=V, BK=BK,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DOT_PREC=prec, **docs)
     _chunk_output_kernel[lambda meta: (NT, triton.cdiv(V, meta["BV"]), B * H)](
-        q, G, M, V_new, h, o, scale, T, H=H, K=K, V=V, BK=BK, DOT_PREC=prec)
+        q, G, M, V_new, h, o, doc, scale, T, H=H, K=K, V=V, BK=BK, DOT_PREC=prec, **docs)
     saved = (G, Ak, M, T_inv, W, V_new, h)
     return o, final_state, saved
 
 
-def _chunk_backward(q, k, v, beta, g_dtype, scale, saved, do, d_final_state):
+def _chunk_backward(q, k, v, beta, g_dtype, scale, saved, do, d_final_state, doc=None):
     """Runs B1..B4; returns dq, dk, dv, dg (per channel), dbeta, d_initial_state."""
     G, Ak, M, T_inv, W, V_new, h = saved
     B, T, H, K = q.shape
@@ -688,13 +744,16 @@ def _chunk_backward(q, k, v, beta, g_dtype, scale, saved, do, d_final_state):
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(B, T, H, K, device=q.device, dtype=g_dtype)
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
+    docs = dict(HAS_DOCS=doc is not None)
+    doc = G if doc is None else doc  # dummy pointer when unused
 
     _chunk_state_bwd_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * H)](
-        q, k, G, W, M, do, dh, dV_new, d_final_state, dh0, scale, T, H=H, K=K, V=V, BK=BK,
-        HAS_DHT=d_final_state is not None, DOT_PREC=prec)
+        q, k, G, W, M, do, dh, dV_new, d_final_state, dh0, doc, scale, T, H=H, K=K, V=V, BK=BK,
+        HAS_DHT=d_final_state is not None, DOT_PREC=prec, **docs)
     _chunk_bwd_main_kernel[(NT, B * H)](
         q, k, v, beta, G, T_inv, Ak, h, dh, do, V_new, dV_new,
-        dv, dbeta, dAk, dMs, dq_part, dk_part, dG_part, scale, T, H=H, K=K, V=V, BK=BK, DOT_PREC=prec)
+        dv, dbeta, dAk, dMs, dq_part, dk_part, dG_part, doc, scale, T, H=H, K=K, V=V, BK=BK, DOT_PREC=prec,
+        **docs)
     _chunk_bwd_intra_kernel[(NT * 4, B * H)](
         q, k, G, dAk, dMs, dq_part, dk_part, dG_part, dq, dk, dG, T, H=H, K=K, BK=BK, DOT_PREC=prec)
     _chunk_reverse_cumsum_kernel[(NT, B * H)](dG, dg, T, H=H, K=K, BK=BK)
@@ -703,9 +762,9 @@ def _chunk_backward(q, k, v, beta, g_dtype, scale, saved, do, d_final_state):
 
 class _ChunkDeltaRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state):
-        o, final_state, saved = _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state)
-        ctx.save_for_backward(q, k, v, beta, *saved)
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, doc):
+        o, final_state, saved = _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, doc)
+        ctx.save_for_backward(q, k, v, beta, doc, *saved)
         ctx.scale = scale
         ctx.g_dtype = g.dtype
         ctx.has_initial_state = initial_state is not None
@@ -716,14 +775,14 @@ class _ChunkDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, d_final_state):
-        q, k, v, beta, *saved = ctx.saved_tensors
+        q, k, v, beta, doc, *saved = ctx.saved_tensors
         do = do.contiguous()
         if d_final_state is not None:
             d_final_state = d_final_state.contiguous().float()
         dq, dk, dv, dg, dbeta, dh0 = _chunk_backward(q, k, v, beta, ctx.g_dtype, ctx.scale, saved, do,
-                                                     d_final_state)
+                                                     d_final_state, doc)
         dh0 = dh0.to(ctx.initial_state_dtype) if ctx.has_initial_state else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None
 
 
 def _check(q, k, v, g, beta):
@@ -738,10 +797,12 @@ def _check(q, k, v, g, beta):
         raise ValueError(f"delta_rule (triton): K and V must be <= 256, got K={K} V={V}")
 
 
-def delta_rule_triton(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
+def delta_rule_triton(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None):
     """Chunked gated delta rule (see module docstring). Differentiable in q, k, v, g, beta, initial_state.
 
     q,k [B,T,H,K]  v [B,T,H,V]  g [B,T,H,K] or [B,T,H]  beta [B,T,H]  initial_state [B,H,K,V] fp32.
+    cu_seqlens: int64 [n_docs + 1] packed documents (B == 1, no states; checked by the caller) or None.
     Returns (o [B,T,H,V] in v's dtype, final_state [B,H,K,V] fp32 or None).
     """
     _check(q, k, v, g, beta)
@@ -755,7 +816,8 @@ def delta_rule_triton(q, k, v, g, beta, *, scale=None, initial_state=None, outpu
             raise ValueError(f"delta_rule: initial_state must be {(B, H, K, V)}, got {tuple(initial_state.shape)}")
         initial_state = initial_state.float().contiguous()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o, final_state = _ChunkDeltaRule.apply(q, k, v, g, beta, scale, initial_state, output_final_state)
+    doc = None if cu_seqlens is None else _doc_rows(cu_seqlens, triton.cdiv(T, CHUNK) * CHUNK)
+    o, final_state = _ChunkDeltaRule.apply(q, k, v, g, beta, scale, initial_state, output_final_state, doc)
     return o, (final_state if output_final_state else None)
 
 
