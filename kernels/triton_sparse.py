@@ -15,12 +15,15 @@ DSA, sparse_mla_attention (absorbed MLA: one latent kv row per key, shared by al
     summation order, hence the last bits of d(kv), vary run to run on a GPU.
 
 DSA indexer, index_topk
-    One program per block of BLOCK_M queries. Key chunks of KP = next_pow2(k) keys are streamed:
-    scores [BLOCK_M, KP] are computed in registers, packed with the key position into int64
+    One program per block of BLOCK_M queries. Key tiles of BLOCK_N keys are streamed: scores
+    [BLOCK_M, BLOCK_N] are computed in registers, packed with the key position into int64
     (order-preserving float bits << 32 | position, as topk_select), and merged into a running top-KP
-    held in registers: with the running list sorted descending and the chunk sorted ascending, the
-    elementwise max is exactly the top KP of their union (a bitonic half-cleaner), then sorted again.
-    Only chunks some query of the block can see are visited; the T x S scores are never written.
+    (KP = next_pow2(k)) held in registers: with the running list sorted descending and the tile
+    (padded to KP with int64 min) sorted ascending, the elementwise max is exactly the top KP of their
+    union (a bitonic half-cleaner), sorted again. Only key tiles some query of the block can see are
+    visited; the T x S scores are never written. Unmeasured on a GPU: at k = 2048 the running list
+    is [16, 2048] int64 per program, which will spill registers (a radix-select threshold pass is the
+    known alternative).
 
 NSA selection, block_sparse_attention (the NSA paper's kernel)
     One program per (query, batch * kv head); the G = Hq // Hkv query heads of the GQA group are the
@@ -80,7 +83,7 @@ def _mla_rows(KV_b, IDX_t, stride_kvs, stride_kvd, stride_ik, k0, pos, K, Dv, Dr
     return valid, rows, ka, kb
 
 
-@_autotune(_MLA_CONFIGS, key=["H", "K", "BLOCK_DV", "BLOCK_DR"])
+@_autotune(_MLA_CONFIGS, key=["H", "BLOCK_DV", "BLOCK_DR"])   # not K: it grows every decode step
 @triton.jit
 def _mla_fwd_kernel(Q, KV, IDX, O, LSE2,
                     stride_qb, stride_qt, stride_qh, stride_qd,
@@ -126,7 +129,7 @@ def _mla_fwd_kernel(Q, KV, IDX, O, LSE2,
     tl.store(LSE2 + (b * T + t) * H + h, lse2, mask=h_in)
 
 
-@_autotune(_MLA_CONFIGS, key=["H", "K", "BLOCK_DV", "BLOCK_DR"], reset_to_zero=["DKV"])
+@_autotune(_MLA_CONFIGS, key=["H", "BLOCK_DV", "BLOCK_DR"], reset_to_zero=["DKV"])
 @triton.jit
 def _mla_bwd_kernel(Q, KV, IDX, DO, LSE2, DELTA, DQ, DKV,
                     stride_qb, stride_qt, stride_qh, stride_qd,
@@ -224,7 +227,7 @@ class _SparseMLA(torch.autograd.Function):
 
 def sparse_mla_attention_triton(q, kv, indices, *, d_v, scale):
     """See kernels.sparse_mla_attention. Returns (o [B,T,H,d_v], lse [B,T,H] fp32, natural log)."""
-    return _SparseMLA.apply(q, kv, indices, d_v, scale)
+    return _SparseMLA.apply(q, kv.to(q.dtype), indices, d_v, scale)     # one dtype for tl.dot (autocast)
 
 
 # ================================================================== DSA: the indexer's top-k
@@ -235,34 +238,39 @@ def _index_topk_kernel(IQ, IW, IK, OUT,
                        stride_wb, stride_wt, stride_wh,
                        stride_kb, stride_ks, stride_kd,
                        T, S, HI, DI, K, score_scale,
-                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, KP: tl.constexpr, BLOCK_D: tl.constexpr):
+                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     t_in = t < T
     q_pos = S - T + t                                                                   # [BM]
     d = tl.arange(0, BLOCK_D)
+    slot = tl.arange(0, KP // BLOCK_N)                                                  # [R]: R * BLOCK_N = KP
     top = tl.full([BLOCK_M, KP], -9223372036854775808, dtype=tl.int64)                  # running top-KP, descending
     q_last = S - T + tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, T - 1)
-    for c0 in range(0, q_last + 1, KP):                                                  # chunks some query sees
-        k_pos = c0 + tl.arange(0, KP)
+    for c0 in range(0, q_last + 1, BLOCK_N):                                             # key tiles some query sees
+        k_pos = c0 + tl.arange(0, BLOCK_N)
         kT = tl.load(IK + b * stride_kb + k_pos[None, :] * stride_ks + d[:, None] * stride_kd,
-                     mask=(k_pos[None, :] < S) & (d[:, None] < DI), other=0.0)          # [BD, KP]
-        score = tl.zeros([BLOCK_M, KP], dtype=tl.float32)
+                     mask=(k_pos[None, :] < S) & (d[:, None] < DI), other=0.0)          # [BD, BN]
+        score = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for h in range(HI):
             q = tl.load(IQ + b * stride_qb + t[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd,
                         mask=t_in[:, None] & (d[None, :] < DI), other=0.0)
             w = tl.load(IW + b * stride_wb + t * stride_wt + h * stride_wh, mask=t_in, other=0.0).to(tl.float32)
-            dots = tl.dot(q, kT, input_precision=PRECISION)                             # [BM, KP]
-            score += w[:, None] * tl.maximum(dots, 0.0)
+            score += w[:, None] * tl.maximum(tl.dot(q, kT, input_precision=PRECISION), 0.0)
         score = score * score_scale
         score = tl.where(score == 0.0, 0.0, score)                                     # -0 -> +0, as topk_select
         bits = score.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)                                    # order-preserving int
         key = (ordered.to(tl.int64) << 32) | k_pos[None, :].to(tl.int64)                # (score, position)
         seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < S)
-        key = tl.where(seen, key, -9223372036854775808)
-        top = tl.sort(tl.maximum(top, tl.sort(key, 1, descending=False)), 1, descending=True)
+        key = tl.where(seen, key, -9223372036854775808)                                 # [BM, BN]
+        # the tile padded to KP entries with "nothing" (int64 min), sorted ascending: its max with the
+        # descending running list is the top KP of both (a bitonic half-cleaner)
+        pad = tl.where(slot[None, :, None] == 0, key[:, None, :], -9223372036854775808)  # [BM, R, BN]
+        pad = tl.sort(tl.reshape(pad, [BLOCK_M, KP]), 1, descending=False)
+        top = tl.sort(tl.maximum(top, pad), 1, descending=True)
     col = tl.arange(0, KP)
     out = tl.where(top == -9223372036854775808, -1, top - ((top >> 32) << 32))         # low 32 bits; unfilled: -1
     tl.store(OUT + (b * T + t[:, None]) * K + col[None, :], out, mask=t_in[:, None] & (col[None, :] < K))
@@ -272,13 +280,15 @@ def index_topk_triton(iq, iw, ik, k):
     """See kernels.index_topk. [B, T, k] int64, best first; -1 where a query sees fewer than k keys."""
     B, T, HI, DI = iq.shape
     S = ik.shape[1]
+    ik = ik.to(iq.dtype)
     out = torch.empty(B, T, k, device=iq.device, dtype=torch.int64)
     block_m = 16
     kp = max(16, triton.next_power_of_2(k))
+    block_n = min(kp, 16 if INTERPRET else 128)
     with _on_device(iq):
         _index_topk_kernel[(triton.cdiv(T, block_m), B)](
             iq, iw, ik, out, *iq.stride(), *iw.stride(), *ik.stride(), T, S, HI, DI, k, DI ** -0.5,
-            PRECISION=_precision(iq), BLOCK_M=block_m, KP=kp, BLOCK_D=_head_block(DI),
+            PRECISION=_precision(iq), BLOCK_M=block_m, BLOCK_N=block_n, KP=kp, BLOCK_D=_head_block(DI),
             **({} if INTERPRET else dict(num_warps=8 if kp >= 1024 else 4)))
     return out
 
@@ -450,4 +460,4 @@ class _BlockSparse(torch.autograd.Function):
 
 def block_sparse_attention_triton(q, k, v, block_indices, block_size, *, scale):
     """See kernels.block_sparse_attention. o [B,T,Hq,Dv] in q's dtype; differentiable."""
-    return _BlockSparse.apply(q, k, v, block_indices, block_size, scale)
+    return _BlockSparse.apply(q, k.to(q.dtype), v.to(q.dtype), block_indices, block_size, scale)
