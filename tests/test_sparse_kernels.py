@@ -262,3 +262,20 @@ def test_mla_dsa_triton_backend_equals_torch():
         out[backend] = [loss.detach()] + list(torch.autograd.grad(loss, params))
     for a, b in zip(out["triton"], out["torch"]):
         close(a, b, 1e-4)
+
+
+def test_half_precision_inputs():
+    """fp16 in (the interpreter has no bf16 arithmetic, SPEC 7): fp32 accumulation inside, so the
+    Triton ops stay within fp16 rounding of the torch path run in fp32 on the same values."""
+    q, kv, idx = mla_inputs(1, 6, 10, 3, 24, 7, seed=6)
+    q16, kv16 = q.detach().half().requires_grad_(), kv.detach().half().requires_grad_()
+    q32, kv32 = q16.detach().float().requires_grad_(), kv16.detach().float().requires_grad_()
+    for a, b in zip(run_mla("triton", q16, kv16, idx, 16, 0.3), run_mla("torch", q32, kv32, idx, 16, 0.3)):
+        assert a.dtype in (torch.float16, torch.float32)
+        close(a.float(), b, 2e-2)
+    q, k, v, bi = nsa_inputs(1, 5, 12, 4, 2, 16, 16, 4, 2, seed=7)
+    half = [x.detach().half().requires_grad_() for x in (q, k, v)]
+    full = [x.detach().float().requires_grad_() for x in half]
+    for a, b in zip(run_nsa("triton", *half, bi, 4), run_nsa("torch", *full, bi, 4)):
+        assert a.dtype == torch.float16
+        close(a.float(), b, 2e-2)
