@@ -248,11 +248,14 @@ def test_block_sparse_every_block_equals_attention():
 
 # ------------------------------------------------------------------ the model's DSA on the Triton path
 
+DSA_LAYER = {"kind": "mla", "n_heads": 4, "kv_lora_rank": 16, "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 6,
+             "q_lora_rank": 12, "dsa": {"n_heads": 2, "head_dim": 8, "rope_dim": 4, "top_k": 5}}
+
+
 def test_mla_dsa_triton_backend_equals_torch():
     """A DSA layer in training (sparse stage, indexer KL loss): loss and every gradient agree."""
     from tests.test_model import make_model
-    spec = {"kind": "mla", "n_heads": 4, "kv_lora_rank": 16, "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 6,
-            "q_lora_rank": 12, "dsa": {"n_heads": 2, "head_dim": 8, "rope_dim": 4, "top_k": 5}}
+    spec = DSA_LAYER
     idx = torch.randint(0, 61, (1, 14), generator=torch.Generator().manual_seed(0))
     out = {}
     for backend in ("torch", "triton"):
@@ -279,3 +282,20 @@ def test_half_precision_inputs():
     for a, b in zip(run_nsa("triton", *half, bi, 4), run_nsa("torch", *full, bi, 4)):
         assert a.dtype == torch.float16
         close(a.float(), b, 2e-2)
+
+
+def test_mla_dsa_triton_step_equals_forward():
+    """Decode on the Triton path (one query, growing key count) equals its parallel forward."""
+    from tests.test_model import check_step_equals_forward, make_model
+    model = make_model({"a": DSA_LAYER}, n_layer=1, backend="triton")
+    check_step_equals_forward(model, T=8, B=1, splits=[3, 1, 1, 2, 1])
+
+
+def test_bad_inputs_name_the_problem():
+    q, kv, idx = mla_inputs(1, 4, 6, 2, 16, 3, seed=0)
+    with pytest.raises(ValueError, match="sparse_mla_attention: need indices"):
+        kernels.sparse_mla_attention(q, kv, idx[:, :2], d_v=8, scale=1.0)
+    with pytest.raises(ValueError, match="index_topk: k must be in"):
+        kernels.index_topk(q, q[..., 0], kv, 7)
+    with pytest.raises(ValueError, match="block_sparse_attention: need block_indices"):
+        kernels.block_sparse_attention(q, kv[:, :, None], kv[:, :, None], idx, 2)
