@@ -20,8 +20,8 @@ DSA indexer, index_topk
     (order-preserving float bits << 32 | position, as topk_select), and merged into a running top-KP
     (KP = next_pow2(k)) held in registers: with the running list sorted descending and the tile
     (padded to KP with int64 min) sorted ascending, the elementwise max is exactly the top KP of their
-    union (a bitonic half-cleaner), sorted again. Only key tiles some query of the block can see are
-    visited; the T x S scores are never written. Unmeasured on a GPU: at k = 2048 the running list
+    union (a bitonic half-cleaner), sorted again; a tile that improves no row's list is not merged.
+    Only key tiles some query of the block can see are visited; the T x S scores are never written. Unmeasured on a GPU: at k = 2048 the running list
     is [16, 2048] int64 per program, which will spill registers (a radix-select threshold pass is the
     known alternative).
 
@@ -266,11 +266,14 @@ def _index_topk_kernel(IQ, IW, IK, OUT,
         key = (ordered.to(tl.int64) << 32) | k_pos[None, :].to(tl.int64)                # (score, position)
         seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < S)
         key = tl.where(seen, key, -9223372036854775808)                                 # [BM, BN]
-        # the tile padded to KP entries with "nothing" (int64 min), sorted ascending: its max with the
-        # descending running list is the top KP of both (a bitonic half-cleaner)
-        pad = tl.where(slot[None, :, None] == 0, key[:, None, :], -9223372036854775808)  # [BM, R, BN]
-        pad = tl.sort(tl.reshape(pad, [BLOCK_M, KP]), 1, descending=False)
-        top = tl.sort(tl.maximum(top, pad), 1, descending=True)
+        # merge only when some row gains a key (once the lists are full, most tiles are skipped): the
+        # tile padded to KP entries with "nothing" (int64 min), sorted ascending; its max with the
+        # descending running list is the top KP of both (a bitonic half-cleaner), sorted again
+        gains = tl.max(key, 1) > tl.min(top, 1)                                         # [BM]
+        if tl.max(gains.to(tl.int32), 0) > 0:
+            pad = tl.where(slot[None, :, None] == 0, key[:, None, :], -9223372036854775808)  # [BM, R, BN]
+            pad = tl.sort(tl.reshape(pad, [BLOCK_M, KP]), 1, descending=False)
+            top = tl.sort(tl.maximum(top, pad), 1, descending=True)
     col = tl.arange(0, KP)
     out = tl.where(top == -9223372036854775808, -1, top - ((top >> 32) << 32))         # low 32 bits; unfilled: -1
     tl.store(OUT + (b * T + t[:, None]) * K + col[None, :], out, mask=t_in[:, None] & (col[None, :] < K))

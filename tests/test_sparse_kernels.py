@@ -170,9 +170,13 @@ def first_valid(sel, S, T):
     return out
 
 
-@pytest.mark.parametrize("B,T,S,HI,dI,k", [(2, 11, 11, 2, 16, 5), (1, 9, 40, 3, 16, 20), (1, 13, 37, 1, 8, 3)])
-def test_index_topk_matches_naive_and_topk_select(B, T, S, HI, dI, k):
+@pytest.mark.parametrize("B,T,S,HI,dI,k,decreasing", [(2, 11, 11, 2, 16, 5, False), (1, 9, 40, 3, 16, 20, False),
+                                                       (1, 13, 37, 1, 8, 3, False), (1, 4, 50, 1, 8, 2, True)])
+def test_index_topk_matches_naive_and_topk_select(B, T, S, HI, dI, k, decreasing):
     iq, iw, ik = int_indexer(B, T, S, HI, dI, seed=T)
+    if decreasing:  # scores fall with the position: after the first tile no key tile gains (merge skipped)
+        iq, iw = iq.abs() + 1, iw.abs() + 1
+        ik = (S - torch.arange(S, dtype=torch.float32)).view(1, S, 1).expand(B, S, dI).contiguous()
     ref = naive_topk(iq, iw, ik, k)
     qpos = torch.arange(S - T, S)
     assert first_valid(topk_select(index_scores(iq, iw, ik), qpos, k), S, T) == ref
