@@ -514,7 +514,7 @@ for _kind in DELTA_KINDS:
 # Dimensions: H heads, d_c = kv_lora_rank (the latent), d_nope = qk_nope_dim, d_rope = qk_rope_dim
 # (0 under NoPE), d_v = v_head_dim, r_q = q_lora_rank; indexer: H_I heads of d_I dims, k = top_k.
 
-MLA_BLOCK_Q = 256  # queries per block in the sparse path and the indexer loss: memory O(block * S)
+MLA_BLOCK_Q = 256  # queries per block of the indexer losses (dense: memory O(block * S); sparse: O(block * k))
 
 
 def index_scores_selected(iq, iw, ik_sel):

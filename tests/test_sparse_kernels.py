@@ -316,3 +316,18 @@ def test_bad_inputs_name_the_problem():
         kernels.index_topk(q, q[..., 0], kv, 7)
     with pytest.raises(ValueError, match="block_sparse_attention: need block_indices"):
         kernels.block_sparse_attention(q, kv[:, :, None], kv[:, :, None], idx, 2)
+
+
+@pytest.mark.slow
+def test_larger_shapes():
+    """Closer to real layers: 32 heads over 40 selected rows of d_c + d_rope = 64 + 16 across several
+    key tiles; NSA groups of 8 heads over 4 blocks of 16; the top-k over 3 query blocks and 5 key tiles."""
+    q, kv, idx = mla_inputs(1, 40, 72, 32, 80, 40, seed=10, hot=[0, 5, 9])
+    for a, b in zip(run_mla("triton", q, kv, idx, 64, 80 ** -0.5), run_mla("torch", q, kv, idx, 64, 80 ** -0.5)):
+        close(a, b)
+    q, k, v, bi = nsa_inputs(1, 40, 72, 16, 2, 32, 32, 16, 4, seed=11)
+    for a, b in zip(run_nsa("triton", q, k, v, bi, 16), run_nsa("torch", q, k, v, bi, 16)):
+        close(a, b)
+    iq, iw, ik = int_indexer(1, 40, 72, 4, 16, seed=12)
+    ref = naive_topk(iq, iw, ik, 24)
+    assert first_valid(kernels.index_topk(iq, iw, ik, 24, backend="triton"), 72, 40) == ref
