@@ -158,6 +158,8 @@ def test_torch_paths_across_query_blocks():
     q, k, v, bi = nsa_inputs(1, 70, 75, 2, 1, 8, 8, 8, 3, seed=9)
     close(kernels.block_sparse_attention(q, k, v, bi, 8, scale=0.4, backend="torch"),
           naive_block_sparse(q, k, v, bi, 8, 0.4))
+    iq, iw, ik = int_indexer(1, 70, 70, 1, 8, seed=13)                 # first block sees 64 < k keys
+    assert first_valid(kernels.index_topk(iq, iw, ik, 66, backend="torch"), 70, 70) == naive_topk(iq, iw, ik, 66)
 
 
 # ------------------------------------------------------------------ DSA: the indexer's top-k
