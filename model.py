@@ -659,8 +659,9 @@ class MLA(nn.Module):
             sel = kernels.index_topk(iq, iw, ik, min(self.cfg.dsa.top_k, S), backend=self.backend)  # [B, T, k]
         o_lat, lse = kernels.sparse_mla_attention(q_lat, latent, sel, d_v=self.cfg.kv_lora_rank,
                                                   scale=self.scale, backend=self.backend)
-        kl = self._sparse_indexer_kl(q_lat.detach(), latent.detach(), sel, lse, iq, iw, ik, offset) if want_loss else None
-        return o_lat, kl
+        if not want_loss:
+            return o_lat, None
+        return o_lat, self._sparse_indexer_kl(q_lat.detach(), latent.detach(), sel, lse, iq, iw, ik, offset)
 
     def _sparse_indexer_kl(self, q_lat, latent, sel, lse, iq, iw, ik, offset):
         """L_I on the selected set (summed over tokens): the target is the main attention's

@@ -97,7 +97,8 @@ def sparse_mla_attention(q, kv, indices, *, d_v, scale, backend=None):
     """
     B, T, H, Dk = q.shape
     if kv.dim() != 3 or kv.shape[0] != B or kv.shape[2] != Dk or kv.shape[1] < T:
-        raise ValueError(f"sparse_mla_attention: need kv [B, S >= T, Dk] for q{tuple(q.shape)}, got kv{tuple(kv.shape)}")
+        raise ValueError(f"sparse_mla_attention: need kv [B, S >= T, Dk] for q{tuple(q.shape)}, "
+                         f"got kv{tuple(kv.shape)}")
     if indices.shape[:2] != (B, T) or indices.dim() != 3 or not 0 < d_v <= Dk:
         raise ValueError(f"sparse_mla_attention: need indices [B, T, k] and 0 < d_v <= Dk, got "
                          f"indices{tuple(indices.shape)} d_v={d_v} Dk={Dk}")

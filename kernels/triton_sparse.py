@@ -21,9 +21,9 @@ DSA indexer, index_topk
     (KP = next_pow2(k)) held in registers: with the running list sorted descending and the tile
     (padded to KP with int64 min) sorted ascending, the elementwise max is exactly the top KP of their
     union (a bitonic half-cleaner), sorted again; a tile that improves no row's list is not merged.
-    Only key tiles some query of the block can see are visited; the T x S scores are never written. Unmeasured on a GPU: at k = 2048 the running list
-    is [16, 2048] int64 per program, which will spill registers (a radix-select threshold pass is the
-    known alternative).
+    Only key tiles some query of the block can see are visited; the T x S scores are never written.
+    Unmeasured on a GPU: at k = 2048 the running list is [16, 2048] int64 per program, which will
+    likely spill registers (a radix-select threshold pass is the known alternative).
 
 NSA selection, block_sparse_attention (the NSA paper's kernel)
     One program per (query, batch * kv head); the G = Hq // Hkv query heads of the GQA group are the
@@ -77,9 +77,9 @@ def _mla_rows(KV_b, IDX_t, stride_kvs, stride_kvd, stride_ik, k0, pos, K, Dv, Dr
     dv = tl.arange(0, BLOCK_DV)
     dr = tl.arange(0, BLOCK_DR)
     ka = tl.load(KV_b + rows[:, None] * stride_kvs + dv[None, :] * stride_kvd,
-                 mask=valid[:, None] & (dv[None, :] < Dv), other=0.0)                     # [BK, BDV]: key part and value
+                 mask=valid[:, None] & (dv[None, :] < Dv), other=0.0)                     # [BK, BDV]: key and value
     kb = tl.load(KV_b + rows[:, None] * stride_kvs + (Dv + dr)[None, :] * stride_kvd,
-                 mask=valid[:, None] & (dr[None, :] < Dr), other=0.0)                     # [BK, BDR]: the rest of the key
+                 mask=valid[:, None] & (dr[None, :] < Dr), other=0.0)                     # [BK, BDR]: rest of key
     return valid, rows, ka, kb
 
 
