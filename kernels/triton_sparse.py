@@ -93,7 +93,7 @@ def _mla_fwd_kernel(Q, KV, IDX, O, LSE2,
                     T, S, H, K, Dv, Dr, sm_scale,
                     PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)                      # offsets past 2**31 at long T
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_in = h < H
@@ -140,7 +140,7 @@ def _mla_bwd_kernel(Q, KV, IDX, DO, LSE2, DELTA, DQ, DKV,
                     PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
     """dQ [B,T,H,Dk] (q's strides), dKV [B,S,Dk] fp32 contiguous, accumulated with atomics."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)                      # offsets past 2**31 at long T
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_in = h < H
@@ -314,7 +314,7 @@ def _nsa_fwd_kernel(Q, K, V, BI, O, LSE2,
                     T, S, Hq, Hkv, G, N_SEL, BLOCK_SIZE, D, Dv, sm_scale,
                     PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)                      # offsets past 2**31 at long T
     b = (tl.program_id(1) // Hkv).to(tl.int64)
     hk = tl.program_id(1) % Hkv
     pos = S - T + t
@@ -371,7 +371,7 @@ def _nsa_bwd_kernel(Q, K, V, BI, DO, LSE2, DELTA, DQ, DK, DV,
                     PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """dQ in q's strides; dK [B,S,Hkv,D], dV [B,S,Hkv,Dv] fp32 contiguous, accumulated with atomics."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)                      # offsets past 2**31 at long T
     b = (tl.program_id(1) // Hkv).to(tl.int64)
     hk = tl.program_id(1) % Hkv
     pos = S - T + t
