@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from kernels.torch_sparse import index_scores, topk_select  # noqa: F401  (the DSA indexer's torch reference)
 
 # ----------------------------------------------------------------------------------------------
 # Config: dataclasses built from plain dicts (YAML), every bad key refused with one clear line.
@@ -550,41 +551,13 @@ for _kind in DELTA_KINDS:
 # Dimensions: H heads, d_c = kv_lora_rank (the latent), d_nope = qk_nope_dim, d_rope = qk_rope_dim
 # (0 under NoPE), d_v = v_head_dim, r_q = q_lora_rank; indexer: H_I heads of d_I dims, k = top_k.
 
-MLA_BLOCK_Q = 256  # queries per block in the sparse path and the indexer loss: memory O(block * S)
-
-
-def index_scores(iq, iw, ik):
-    """I[b,t,s] = sum_h w[b,t,h] * ReLU(q^I[b,t,h] . k^I[b,s]) * d_I**-0.5, for every s (no mask).
-
-    iq [B, T, H_I, d_I]  iw [B, T, H_I] (already * H_I**-0.5)  ik [B, S, d_I]  ->  [B, T, S] fp32"""
-    dots = torch.einsum("bthd,bsd->bths", iq.float(), ik.float()).relu()   # [B, T, H_I, S]
-    return torch.einsum("bths,bth->bts", dots, iw.float()) * iq.shape[-1] ** -0.5
+MLA_BLOCK_Q = 256  # queries per block of the indexer losses (dense: memory O(block * S); sparse: O(block * k))
 
 
 def index_scores_selected(iq, iw, ik_sel):
     """The same score against per-query key sets: ik_sel [B, T, k, d_I] -> [B, T, k] fp32."""
     dots = torch.einsum("bthd,btkd->bthk", iq.float(), ik_sel.float()).relu()  # [B, T, H_I, k]
     return torch.einsum("bthk,bth->btk", dots, iw.float()) * iq.shape[-1] ** -0.5
-
-
-def topk_select(scores, qpos, k, kmin=None):
-    """Indices [B, T, k] of the k best keys per query among s <= qpos[t] (and s >= kmin[t] when
-    given: packed documents); scores [B, T, S] fp32.
-
-    Deterministic: the order is lexicographic on (score, position), so an exact tie (common: ReLU
-    zeros) goes to the most recent key, the same in the parallel path and in decode. Scores are
-    mapped to order-preserving integers and packed with the position into one int64 key, so the
-    top-k never depends on how torch.topk breaks ties. Keys after a query get score -inf and are
-    only picked when a query sees fewer than k keys; the caller masks them (sel > qpos, sel < kmin)."""
-    S = scores.shape[-1]
-    kpos = torch.arange(S, device=scores.device)
-    hidden = kpos[None, :] > qpos[:, None]
-    if kmin is not None:
-        hidden = hidden | (kpos[None, :] < kmin[:, None])
-    scores = scores.masked_fill(hidden[None], float("-inf")) + 0.0  # -0 -> +0
-    bits = scores.contiguous().view(torch.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # negative floats: flip magnitude bits
-    return torch.topk(key.long() * 2 ** 32 + kpos, k, dim=-1).indices  # (score, position) packed
 
 
 def kl_to_logits(p, logits, valid):
@@ -693,7 +666,7 @@ class MLA(nn.Module):
             q_abs = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)               # q~_h = q_nope_h W_UK_h^T [B,T,H,d_c]
             q_lat = torch.cat([q_abs, q_rope], dim=-1)                         # [B, T, H, d_c + d_rope]
             if sparse:
-                o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss, doc_start)
+                o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss, cu_seqlens)
             else:  # MQA with one kv head: keys [c_kv, k_rope], values c_kv. The head is broadcast to
                 # all H heads as a stride-0 view (no copy): with Hq == Hkv PyTorch's SDPA takes its
                 # fused path, while Hq != Hkv (enable_gqa) falls back to the ~30x slower math path on CPU.
@@ -714,41 +687,48 @@ class MLA(nn.Module):
             self.aux_loss = ("indexer_kl", c.dsa.loss_weight * kl / (B * T))
         return self.wo(o.reshape(B, T, H * d_v))
 
-    def _sparse_attention(self, q_lat, latent, iq, iw, ik, offset, want_loss, doc_start=None):
-        """Absorbed attention over each query's top-k keys, query block by query block.
+    def _sparse_attention(self, q_lat, latent, iq, iw, ik, offset, want_loss, cu_seqlens=None):
+        """Absorbed attention over each query's top-k latent rows (kernels.index_topk, then
+        kernels.sparse_mla_attention: Triton on CUDA, torch elsewhere).
 
         q_lat [B,T,H,d_c+d_rope]  latent [B,S,d_c+d_rope]  iq [B,T,H_I,d_I]  iw [B,T,H_I]  ik [B,S,d_I]
-        Query t sits at position offset + t. doc_start [T] (packed documents, offset 0): the first key
-        each query may pick; a block scores only keys from its first query's document start on.
-        Returns o_lat [B,T,H,d_c] and the KL sum (or None).
-        Memory per block: the index scores [B, block, S] (no grad) and the gathered rows
-        [B, block, k, d_c + d_rope]; what autograd keeps is O(T * k), never T x S."""
-        B, T, H, _ = q_lat.shape
-        d_c = self.cfg.kv_lora_rank
-        b = torch.arange(B, device=q_lat.device)[:, None, None]
-        outs, kl = [], q_lat.new_zeros((), dtype=torch.float32) if want_loss else None
+        Query t sits at position offset + t = S - T + t. Returns o_lat [B,T,H,d_c] and the KL sum (or
+        None). What autograd keeps is O(T * k), never T x S. cu_seqlens (packed documents, B == 1,
+        offset 0): each document runs alone, so the indexer picks only within its document."""
+        if cu_seqlens is not None:
+            bounds = [(a, b) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if b > a]
+            parts = [self._sparse_attention(q_lat[:, a:b], latent[:, a:b], iq[:, a:b], iw[:, a:b], ik[:, a:b], 0,
+                                            want_loss) for a, b in bounds]
+            return torch.cat([o for o, _ in parts], dim=1), (sum(kl for _, kl in parts) if want_loss else None)
+        S = latent.shape[1]
+        with torch.no_grad():
+            sel = kernels.index_topk(iq, iw, ik, min(self.cfg.dsa.top_k, S), backend=self.backend)  # [B, T, k]
+        o_lat, lse = kernels.sparse_mla_attention(q_lat, latent, sel, d_v=self.cfg.kv_lora_rank,
+                                                  scale=self.scale, backend=self.backend)
+        if not want_loss:
+            return o_lat, None
+        return o_lat, self._sparse_indexer_kl(q_lat.detach(), latent.detach(), sel, lse, iq, iw, ik, offset)
+
+    def _sparse_indexer_kl(self, q_lat, latent, sel, lse, iq, iw, ik, offset):
+        """L_I on the selected set (summed over tokens): the target is the main attention's
+        probabilities exp(logit - lse) summed over heads, L1-normalised, detached."""
+        B, T = sel.shape[:2]
+        b = torch.arange(B, device=sel.device)[:, None, None]
+        kl = q_lat.new_zeros((), dtype=torch.float32)
         for t0 in range(0, T, MLA_BLOCK_Q):
             t1 = min(T, t0 + MLA_BLOCK_Q)
-            hi = offset + t1                                                   # keys this block may see
-            lo = 0 if doc_start is None else int(doc_start[t0])                # ... from lo on
-            qpos = torch.arange(offset + t0, offset + t1, device=q_lat.device)
-            kmin = None if doc_start is None else doc_start[t0:t1] - lo
+            qpos = torch.arange(offset + t0, offset + t1, device=sel.device)
+            s = sel[:, t0:t1]
+            valid = (s >= 0) & (s <= qpos[None, :, None])                     # [B, Tb, k]
+            s = s.clamp(0, latent.shape[1] - 1)
             with torch.no_grad():
-                sel = topk_select(index_scores(iq[:, t0:t1], iw[:, t0:t1], ik[:, lo:hi]), qpos - lo,
-                                  min(self.cfg.dsa.top_k, hi - lo), kmin) + lo  # [B, Tb, k]
-            valid = sel <= qpos[None, :, None]                                 # [B, Tb, k]
-            if doc_start is not None:
-                valid = valid & (sel >= doc_start[None, t0:t1, None])
-            rows = latent[b, sel].float()                                      # [B, Tb, k, d_c + d_rope]
-            att = torch.einsum("bthd,btkd->bthk", q_lat[:, t0:t1].float(), rows) * self.scale
-            p = att.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)  # [B, Tb, H, k]
-            outs.append(torch.einsum("bthk,btkc->bthc", p, rows[..., :d_c]))   # [B, Tb, H, d_c]
-            if want_loss:  # L_I on the selected set; the target: heads summed, L1-normalised, detached
-                target = p.detach().sum(2)
-                target = target / target.sum(-1, keepdim=True)
-                logits = index_scores_selected(iq[:, t0:t1], iw[:, t0:t1], ik[b, sel])
-                kl = kl + kl_to_logits(target, logits, valid)
-        return torch.cat(outs, dim=1).to(q_lat.dtype), kl
+                att = torch.einsum("bthd,btkd->bthk", q_lat[:, t0:t1].float(), latent[b, s].float()) * self.scale
+                p = torch.exp(att - lse[:, t0:t1, :, None]).masked_fill(~valid[:, :, None], 0.0)
+                target = p.sum(2)
+                target = target / target.sum(-1, keepdim=True)                 # [B, Tb, k]
+            logits = index_scores_selected(iq[:, t0:t1], iw[:, t0:t1], ik[b, s])
+            kl = kl + kl_to_logits(target, logits, valid)
+        return kl
 
     def _dense_indexer_kl(self, q, k, iq, iw, ik, doc_start=None):
         """dense_warmup L_I (summed over tokens): KL(p_t || softmax(I_t)) over all s <= t

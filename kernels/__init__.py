@@ -137,3 +137,71 @@ def linear_attention_step(q, k, v, state, *, scale=None):
     """One token of linear attention; state [B,H,K,V] float32 updated in place. Returns o [B,H,V]."""
     from .torch_delta_rule import linear_attention_step_torch
     return linear_attention_step_torch(q, k, v, state, scale=scale)
+
+
+def sparse_mla_attention(q, kv, indices, *, d_v, scale, backend=None):
+    """DSA's sparse stage: each query attends its own selected latent rows (absorbed MLA, SPEC 3).
+
+    q [B,T,H,Dk] (Dk = d_c + d_rope)  kv [B,S,Dk] (one row per key, shared by every head)
+    indices [B,T,k] int64: entries < 0 or > the query's position S - T + t are padding (no
+    probability, no gradient). Keys are the kv rows, values their first d_v dims.
+    Returns (o [B,T,H,d_v] in q's dtype, lse [B,T,H] fp32 natural-log log-sum-exp of each row's
+    scaled logits over its valid entries, -inf for a row with none; lse carries no gradient).
+    """
+    B, T, H, Dk = q.shape
+    if kv.dim() != 3 or kv.shape[0] != B or kv.shape[2] != Dk or kv.shape[1] < T:
+        raise ValueError(f"sparse_mla_attention: need kv [B, S >= T, Dk] for q{tuple(q.shape)}, "
+                         f"got kv{tuple(kv.shape)}")
+    if indices.shape[:2] != (B, T) or indices.dim() != 3 or not 0 < d_v <= Dk:
+        raise ValueError(f"sparse_mla_attention: need indices [B, T, k] and 0 < d_v <= Dk, got "
+                         f"indices{tuple(indices.shape)} d_v={d_v} Dk={Dk}")
+    if _pick(backend, q) == "torch":
+        from .torch_sparse import sparse_mla_attention_torch
+        return sparse_mla_attention_torch(q, kv, indices, d_v=d_v, scale=scale)
+    from .triton_sparse import sparse_mla_attention_triton
+    return sparse_mla_attention_triton(q, kv, indices, d_v=d_v, scale=scale)
+
+
+def index_topk(iq, iw, ik, k, *, backend=None):
+    """DSA lightning indexer: the k best visible keys of each query, never the T x S score matrix.
+
+    score[t, s] = sum_h iw[t,h] * ReLU(iq[t,h] . ik[s]) * d_I**-0.5 in fp32; query t sits at position
+    S - T + t and sees keys s <= S - T + t. iq [B,T,H_I,d_I]  iw [B,T,H_I]  ik [B,S,d_I], k <= S.
+    Returns [B, T, k] int64, best first, ties to the most recent key; entries < 0 or > the query's
+    position are padding (only when a query sees fewer than k keys).
+    """
+    B, T, HI, dI = iq.shape
+    S = ik.shape[1]
+    if ik.dim() != 3 or ik.shape[0] != B or ik.shape[2] != dI or iw.shape != iq.shape[:3] or S < T:
+        raise ValueError(f"index_topk: shapes iq{tuple(iq.shape)} iw{tuple(iw.shape)} ik{tuple(ik.shape)} do not match")
+    if not 1 <= k <= S:
+        raise ValueError(f"index_topk: k must be in [1, S={S}], got {k}")
+    if _pick(backend, iq) == "torch":
+        from .torch_sparse import index_topk_torch
+        return index_topk_torch(iq, iw, ik, k)
+    from .triton_sparse import index_topk_triton
+    return index_topk_triton(iq, iw, ik, k)
+
+
+def block_sparse_attention(q, k, v, block_indices, block_size, *, scale=None, backend=None):
+    """NSA's selection branch: each query attends the key blocks its GQA group selected.
+
+    q [B,T,Hq,D]  k [B,S,Hkv,D]  v [B,S,Hkv,Dv]  block_indices [B,T,Hkv,n] int64 ids of blocks of
+    `block_size` keys (-1 = unused slot; no duplicates). Query t sits at position S - T + t and
+    sees the keys j <= its position of its blocks; the Hq // Hkv query heads of a kv head share its
+    blocks. A row with no visible key outputs 0. Returns o [B,T,Hq,Dv] in q's dtype.
+    """
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != D or S < T or Hq % Hkv:
+        raise ValueError(f"block_sparse_attention: shapes q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} "
+                         f"do not match (need S >= T, Hq % Hkv == 0)")
+    if block_indices.dim() != 4 or block_indices.shape[:3] != (B, T, Hkv) or block_size < 1:
+        raise ValueError(f"block_sparse_attention: need block_indices [B, T, Hkv, n] and block_size >= 1, got "
+                         f"{tuple(block_indices.shape)} and {block_size}")
+    scale = D ** -0.5 if scale is None else scale
+    if _pick(backend, q) == "torch":
+        from .torch_sparse import block_sparse_attention_torch
+        return block_sparse_attention_torch(q, k, v, block_indices, block_size, scale=scale)
+    from .triton_sparse import block_sparse_attention_triton
+    return block_sparse_attention_triton(q, k, v, block_indices, block_size, scale=scale)
