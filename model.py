@@ -293,6 +293,21 @@ class LayerCache:
         return sum(t.numel() * t.element_size() for t in vars(self).values() if torch.is_tensor(t))
 
 
+def ring_append(ring, x, pos, keep):
+    """Ring buffer ring [B, slots, ...] holds position p in slot p % slots. Write x [B, T, ...] (positions
+    pos .. pos+T-1, cast to the ring's dtype) and return the min(pos, keep, slots) rows before pos
+    followed by x: every row a query of the chunk may need when it looks back `keep` positions."""
+    T, slots = x.shape[1], ring.shape[1]
+    x = x.to(ring.dtype)                                    # bf16 under autocast, the cache is not
+    n_old = min(pos, keep, slots)
+    old = torch.arange(pos - n_old, pos, device=x.device) % max(slots, 1)
+    out = torch.cat([ring[:, old], x], dim=1)
+    n_new = min(T, slots)
+    new = torch.arange(pos + T - n_new, pos + T, device=x.device) % max(slots, 1)
+    ring[:, new] = x[:, T - n_new:]
+    return out
+
+
 class Cache:
     """Decode state of a whole model: one LayerCache per layer and the number of tokens seen."""
 
@@ -355,17 +370,9 @@ class Attention(nn.Module):
             cache.k[:, :, pos:pos + T] = k.transpose(1, 2)
             cache.v[:, :, pos:pos + T] = v.transpose(1, 2)
             return cache.k[:, :, :pos + T].transpose(1, 2), cache.v[:, :, :pos + T].transpose(1, 2)
-        # ring buffer: position p lives in slot p % slots; the first new query still sees the
-        # window-1 tokens before it, which are all still in the ring.
-        n_old = min(pos, self.cfg.window - 1, slots)
-        old = torch.arange(pos - n_old, pos, device=k.device) % slots
-        k_all = torch.cat([cache.k[:, :, old].transpose(1, 2), k], dim=1)
-        v_all = torch.cat([cache.v[:, :, old].transpose(1, 2), v], dim=1)
-        n_new = min(T, slots)
-        new = torch.arange(pos + T - n_new, pos + T, device=k.device) % slots
-        cache.k[:, :, new] = k[:, T - n_new:].transpose(1, 2)
-        cache.v[:, :, new] = v[:, T - n_new:].transpose(1, 2)
-        return k_all, v_all
+        # ring buffer: the first new query still sees the window-1 tokens before it
+        return (ring_append(cache.k.transpose(1, 2), k, pos, self.cfg.window - 1),
+                ring_append(cache.v.transpose(1, 2), v, pos, self.cfg.window - 1))
 
 
 MIXERS["attn"] = (AttnConfig, Attention)
@@ -519,9 +526,11 @@ MLA_BLOCK_Q = 256  # queries per block in the sparse path and the indexer loss: 
 def index_scores(iq, iw, ik):
     """I[b,t,s] = sum_h w[b,t,h] * ReLU(q^I[b,t,h] . k^I[b,s]) * d_I**-0.5, for every s (no mask).
 
-    iq [B, T, H_I, d_I]  iw [B, T, H_I] (already * H_I**-0.5)  ik [B, S, d_I]  ->  [B, T, S] fp32"""
-    dots = torch.einsum("bthd,bsd->bths", iq.float(), ik.float()).relu()   # [B, T, H_I, S]
-    return torch.einsum("bths,bth->bts", dots, iw.float()) * iq.shape[-1] ** -0.5
+    iq [B, T, H_I, d_I]  iw [B, T, H_I] (already * H_I**-0.5)  ik [B, S, d_I]  ->  [B, T, S] fp32
+    Always fp32, also under autocast (the selection compares exact fp32 bits)."""
+    with torch.autocast(iq.device.type, enabled=False):
+        dots = torch.einsum("bthd,bsd->bths", iq.float(), ik.float()).relu()   # [B, T, H_I, S]
+        return torch.einsum("bths,bth->bts", dots, iw.float()) * iq.shape[-1] ** -0.5
 
 
 def index_scores_selected(iq, iw, ik_sel):
@@ -540,8 +549,8 @@ def topk_select(scores, qpos, k):
     only picked when a query sees fewer than k keys; the caller masks them (sel > qpos)."""
     S = scores.shape[-1]
     kpos = torch.arange(S, device=scores.device)
-    scores = scores.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf")) + 0.0  # -0 -> +0
-    bits = scores.contiguous().view(torch.int32)
+    scores = scores.float().masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf")) + 0.0
+    bits = scores.contiguous().view(torch.int32)               # (+ 0.0 above: -0 -> +0)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # negative floats: flip magnitude bits
     return torch.topk(key.long() * 2 ** 32 + kpos, k, dim=-1).indices  # (score, position) packed
 
