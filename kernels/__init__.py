@@ -84,3 +84,27 @@ def linear_attention_step(q, k, v, state, *, scale=None):
     """One token of linear attention; state [B,H,K,V] float32 updated in place. Returns o [B,H,V]."""
     from .torch_delta_rule import linear_attention_step_torch
     return linear_attention_step_torch(q, k, v, state, scale=scale)
+
+
+def block_sparse_attention(q, k, v, block_indices, block_size, *, scale=None, backend=None):
+    """NSA's selection branch: each query attends the key blocks its GQA group selected.
+
+    q [B,T,Hq,D]  k [B,S,Hkv,D]  v [B,S,Hkv,Dv]  block_indices [B,T,Hkv,n] int64 ids of blocks of
+    `block_size` keys (-1 = unused slot; no duplicates). Query t sits at position S - T + t and
+    sees the keys j <= its position of its blocks; the Hq // Hkv query heads of a kv head share its
+    blocks. A row with no visible key outputs 0. Returns o [B,T,Hq,Dv] in q's dtype.
+    """
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != D or S < T or Hq % Hkv:
+        raise ValueError(f"block_sparse_attention: shapes q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} "
+                         f"do not match (need S >= T, Hq % Hkv == 0)")
+    if block_indices.dim() != 4 or block_indices.shape[:3] != (B, T, Hkv) or block_size < 1:
+        raise ValueError(f"block_sparse_attention: need block_indices [B, T, Hkv, n] and block_size >= 1, got "
+                         f"{tuple(block_indices.shape)} and {block_size}")
+    scale = D ** -0.5 if scale is None else scale
+    if _pick(backend, q) == "torch":
+        from .torch_sparse import block_sparse_attention_torch
+        return block_sparse_attention_torch(q, k, v, block_indices, block_size, scale=scale)
+    from .triton_sparse import block_sparse_attention_triton
+    return block_sparse_attention_triton(q, k, v, block_indices, block_size, scale=scale)
