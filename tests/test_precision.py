@@ -22,6 +22,10 @@ MIXERS = {
     "mla": MLA,
     "dsa_sparse": {**MLA, "dsa": {**DSA, "stage": "sparse"}},
     "dsa_dense_warmup": {**MLA, "dsa": {**DSA, "stage": "dense_warmup"}},
+    "nsa": {"kind": "nsa", "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "cmp_block": 4, "cmp_stride": 2,
+            "sel_block": 4, "n_sel": 3, "window": 6},
+    "mfa": {"kind": "mfa", "n_heads": 4, "head_dim": 16, "share_q_dim": 12},
+    "mfa_kr": {"kind": "mfa", "n_heads": 4, "head_dim": 16, "share_q_dim": 12, "key_reuse": True},
 }
 T = 23  # odd: an odd key count broke the DSA top-k under autocast (bf16 scores viewed as int32)
 
