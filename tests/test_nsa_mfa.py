@@ -352,3 +352,10 @@ def test_cost_params_and_cache_match_the_model(layers):
     assert cost.num_params(model.config) == model.num_params()
     for L in (5, 40):
         assert cost.cache_bytes(model.config, L, dtype_bytes=4) == model.new_cache(1, L).nbytes()
+
+
+def test_step_equals_forward_at_the_papers_sizes():
+    """l 32, d 16, l' 64, n 16, w 512 (the defaults) over 1300 tokens: chunks end inside strides and
+    blocks, and past 1024 keys the 16 blocks are a real choice."""
+    model = make_model({"a": {"kind": "nsa", "n_heads": 4, "n_kv_heads": 1, "head_dim": 8}}, n_layer=1)
+    check_step_equals_forward(model, T=1300, B=1, splits=[700, 1, 1, 63, 1, 300, 17, 217])
