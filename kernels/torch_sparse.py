@@ -101,13 +101,15 @@ def topk_select(scores, qpos, k):
 
 
 def index_topk_torch(iq, iw, ik, k):
-    """The k best visible keys of each query (query t at position S - T + t), block by block:
-    memory O(BLOCK_Q * S). Returns [B, T, k] int64 sorted best first; entries > the query's
-    position are padding (a query sees fewer than k keys)."""
-    T, S = iq.shape[1], ik.shape[1]
+    """The k best visible keys of each query (query t at position S - T + t), block by block, each
+    block scoring only the keys its last query sees: memory O(BLOCK_Q * S). Returns [B, T, k] int64
+    sorted best first; entries < 0 or > the query's position are padding (it sees fewer than k keys)."""
+    B, T, S = iq.shape[0], iq.shape[1], ik.shape[1]
     out = []
     for t0 in range(0, T, BLOCK_Q):
         t1 = min(T, t0 + BLOCK_Q)
-        qpos = torch.arange(S - T + t0, S - T + t1, device=iq.device)
-        out.append(topk_select(index_scores(iq[:, t0:t1], iw[:, t0:t1], ik), qpos, k))
+        hi = S - T + t1                                                        # keys this block may see
+        qpos = torch.arange(S - T + t0, hi, device=iq.device)
+        sel = topk_select(index_scores(iq[:, t0:t1], iw[:, t0:t1], ik[:, :hi]), qpos, min(k, hi))
+        out.append(torch.cat([sel, sel.new_full((B, t1 - t0, k - sel.shape[-1]), -1)], -1))
     return torch.cat(out, 1)
