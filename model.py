@@ -1002,8 +1002,9 @@ class NSA(nn.Module):
 
     @torch.no_grad()
     def select_blocks(self, q, ck, pos, S):
-        """Block ids [B, T, Hkv, min(n, ceil(S / l'))] per query (-1 = unused): the top n by importance,
-        block 0 and the NSA_LOCAL_BLOCKS most recent always in, blocks after the query never."""
+        """Block ids [B, T, Hkv, min(n, ceil(S / l'))] per query (-1 = unused): the top n by importance
+        (ties to the most recent block), block 0 and the NSA_LOCAL_BLOCKS most recent always in, blocks
+        after the query never."""
         c = self.cfg
         B, T, Hq, D = q.shape
         Hkv, N = c.n_kv_heads, ck.shape[1]
@@ -1024,7 +1025,10 @@ class NSA(nn.Module):
                 forced = (j == 0) | ((j <= cur) & (j > cur - NSA_LOCAL_BLOCKS))
                 score = score.masked_fill(forced[None, :, None], float("inf"))
                 score = score.masked_fill((j > cur)[None, :, None], float("-inf"))
-                best, idx = score.topk(min(c.n_sel, n_blocks), dim=-1)
+                # top n by (score, block id): a stable sort of the reversed blocks sends exact ties
+                # (e.g. probabilities that underflowed to 0) to the most recent block, in any chunking
+                best, idx = score.flip(-1).sort(dim=-1, descending=True, stable=True)
+                best, idx = best[..., :c.n_sel], n_blocks - 1 - idx[..., :c.n_sel]
                 out.append(idx.masked_fill(best == float("-inf"), -1))
         return torch.cat(out, dim=1)
 

@@ -83,7 +83,7 @@ def naive_nsa(mixer, x):
                             float(p[j * ls // d + m - n].detach()) for m in range(ls // d) for n in range(l // d)
                             if 0 <= j * ls // d + m - n < len(seen))
                 forced = {0, t // ls, t // ls - 1} - {-1}
-                order = sorted(importance, key=lambda j: (j in forced, importance[j]), reverse=True)
+                order = sorted(importance, key=lambda j: (j in forced, importance[j], j), reverse=True)
                 blocks = set(order[:c.n_sel])
                 selected[b, t, kv] = blocks
                 keys = [s for s in range(t + 1) if s // ls in blocks]
@@ -145,6 +145,22 @@ def test_block_importance_is_the_papers_sum():
             want = sum(p[:, j * ls // d + m - n] for m in range(ls // d) for n in range(l // d)
                        if 0 <= j * ls // d + m - n < 11)
             assert torch.allclose(got[:, j], torch.as_tensor(want) + torch.zeros(3)), (l, d, ls, j)
+
+
+def test_selection_ties_go_to_the_most_recent_block():
+    """Zero compressed keys: uniform probabilities, so the blocks before the query's tie exactly; the
+    most recent win, whatever the chunking (one query at a time, as in decode == forward)."""
+    mixer = one_mixer({**NSA, "n_sel": 5})
+    T = 100
+    q = torch.randn(1, T, 4, 8)
+    ck = torch.zeros(1, (T - 4) // 2 + 1, 2, 8)
+    blocks = mixer.select_blocks(q, ck, 0, T)
+    for t in range(T):
+        cur = t // 8
+        want = set(range(cur + 1)) if cur < 5 else {0, cur - 3, cur - 2, cur - 1, cur}
+        one = mixer.select_blocks(q[:, t:t + 1], ck[:, :max(0, (t + 1 - 4) // 2 + 1)], t, t + 1)
+        for kv in range(2):
+            assert set(blocks[0, t, kv].tolist()) - {-1} == want == set(one[0, 0, kv].tolist()) - {-1}, t
 
 
 def test_selection_of_every_block_is_full_attention():
