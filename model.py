@@ -842,7 +842,8 @@ class MFA(nn.Module):
         shape = (batch_size, max_len, self.cfg.head_dim)
         if self.cfg.key_reuse:
             return LayerCache(k=torch.zeros(shape, device=device, dtype=dtype))
-        return LayerCache(k=torch.zeros(shape, device=device, dtype=dtype), v=torch.zeros(shape, device=device, dtype=dtype))
+        return LayerCache(k=torch.zeros(shape, device=device, dtype=dtype),
+                          v=torch.zeros(shape, device=device, dtype=dtype))
 
     def update_cache(self, cache, k, v, pos):
         T, slots = k.shape[1], cache.k.shape[1]
@@ -970,9 +971,11 @@ class NSA(nn.Module):
         the first block starting at row 0: [B, n_compressed(R), Hkv, D]."""
         l, d = self.cfg.cmp_block, self.cfg.cmp_stride
         n = n_compressed(k.shape[1], l, d)
+        if n == 0:
+            return k[:, :0], v[:, :0]
         out = []
         for i, (rows, mlp) in enumerate(((k, self.cmp_k), (v, self.cmp_v))):
-            blocks = rows[:, :(n - 1) * d + l].unfold(1, l, d) if n else rows.new_zeros(rows.shape[0], 0, *rows.shape[2:], l)
+            blocks = rows[:, :(n - 1) * d + l].unfold(1, l, d)                  # [B, n, Hkv, D, l]
             blocks = blocks.transpose(-1, -2) + self.cmp_pos[i].to(rows.dtype)   # [B, n, Hkv, l, D]
             out.append(mlp(blocks.flatten(-2)))                                  # [B, n, Hkv, D]
         return out
@@ -1044,12 +1047,14 @@ class NSA(nn.Module):
         return padded.unfold(-1, r + c - 1, r) @ w
 
     def new_cache(self, batch_size, max_len, device, dtype):
+        """[B, rows, Hkv, D] each: ks/vs the selection's raw K/V, ck/cv the compressed K/V, kc/vc the
+        compression's pending raw rows (l - 1), kw/vw the window branch's ring."""
         c = self.cfg
-        def rows(n):
-            return torch.zeros(batch_size, n, c.n_kv_heads, c.head_dim, device=device, dtype=dtype)
-        n_cmp, pending, ring = n_compressed(max_len, c.cmp_block, c.cmp_stride), min(c.cmp_block - 1, max_len), min(c.window, max_len)
-        return LayerCache(ks=rows(max_len), vs=rows(max_len), ck=rows(n_cmp), cv=rows(n_cmp),
-                          kc=rows(pending), vc=rows(pending), kw=rows(ring), vw=rows(ring))
+        n_cmp = n_compressed(max_len, c.cmp_block, c.cmp_stride)
+        pending, ring = min(c.cmp_block - 1, max_len), min(c.window, max_len)
+        rows = dict(ks=max_len, vs=max_len, ck=n_cmp, cv=n_cmp, kc=pending, vc=pending, kw=ring, vw=ring)
+        return LayerCache(**{name: torch.zeros(batch_size, n, c.n_kv_heads, c.head_dim, device=device, dtype=dtype)
+                             for name, n in rows.items()})
 
     def update_cache(self, cache, kc, vc, ks, vs, kw, vw, pos):
         """Store the chunk's rows, compress the blocks it completes; return what its queries see:

@@ -91,7 +91,8 @@ def naive_nsa(mixer, x):
                 for h in range(kv * G, (kv + 1) * G):
                     qr = rope(q[b, t, h], t)
                     o_slc[b, t, h] = attend(qr, [ks_rot[b][s][kv] for s in keys], [vs[b, s, kv] for s in keys], scale)
-                    o_win[b, t, h] = attend(qr, [kw_rot[b][s][kv] for s in window], [vw[b, s, kv] for s in window], scale)
+                    o_win[b, t, h] = attend(qr, [kw_rot[b][s][kv] for s in window], [vw[b, s, kv] for s in window],
+                                            scale)
     g = torch.sigmoid(x @ mixer.gate.weight.T).view(B, T, Hq, 3, 1)
     o = g[:, :, :, 0] * o_cmp + g[:, :, :, 1] * o_slc + g[:, :, :, 2] * o_win
     return o_cmp, o_slc, o_win, selected, o.reshape(B, T, -1) @ mixer.wo.weight.T
