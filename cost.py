@@ -19,8 +19,21 @@ Everything is counted from the math, per token, batch 1, no kernel overheads:
     (2*H_I*d_I per key) and the main attention reads only min(top_k, L) keys;
   * decode bytes = every weight read once (dtype_bytes) + the cache read (attention) or the state
     read and written (delta rule, fp32); roofline time = max(FLOPs / peak, bytes / bandwidth).
+  * MFA (H heads of C = head_dim, share_q_dim r): matmuls d*r + r*H*C + d*C (+ d*C for S_V) + H*C*d;
+    attention 4*H*C per key seen; MFA-KR applies its value map N (C x C) once per head after the
+    attention: 2*H*C*C FLOPs per token (no S_V). Decode reads the whole cache;
+  * NSA (Hq, Hkv heads of D; l = cmp_block, d = cmp_stride, l' = sel_block, n = n_sel, w = window):
+    matmuls d*Hq*D (q) + 6*d*Hkv*D (three K/V pairs) + 3*d*Hq (gates) + Hq*D*d; the compression MLPs
+    (2 x (l*D*D + D*D) weights, per kv head) run once per stride: 2 x that x Hkv / d FLOPs per token.
+    A query at position t attends n_cmp(t+1) compressed keys, min(t+1, n*l') selected keys (an upper
+    bound: the query's own block may be partly in the future) and min(t+1, w) window keys, 4*Hq*D per
+    key; the block scores recompute the compressed scores (2*Hq*D per compressed key, forward only).
+    Decode reads the compressed, selected, window and pending compression rows.
 Cache bytes (SPEC 6): attention L_eff*2*Hkv*D (L_eff = min(L, W)); MLA L*(d_c + rope) (+ L*d_I for
-the DSA indexer); delta rule H*K*V*4 + conv state (conv_size-1)*(2HK+HV), independent of L.
+the DSA indexer); delta rule H*K*V*4 + conv state (conv_size-1)*(2HK+HV), independent of L;
+MFA L*2*C (L*C with key reuse), whatever the head count; NSA 2*Hkv*D * (L raw + n_cmp(L) compressed +
+min(L, w) window ring + min(L, l-1) pending compression rows), n_cmp(L) = max(0, floor((L-l)/d) + 1)
+(SPEC 6 leaves out the l-1 pending rows: the next compressed blocks' inputs, which NSA must keep).
 """
 import argparse
 import os
@@ -102,6 +115,10 @@ def mixer_cost(lc, d, seq_len, ctx, dtype_bytes=2):
                     decode_bytes=params * dtype_bytes + 2 * state + conv_state)
     if kind == "mla":
         return _mla_cost(lc, d, seq_len, ctx, dtype_bytes)
+    if kind == "mfa":
+        return _mfa_cost(lc, d, seq_len, ctx, dtype_bytes)
+    if kind == "nsa":
+        return _nsa_cost(lc, d, seq_len, ctx, dtype_bytes)
     raise ValueError(f"cost: unknown mixer kind {kind!r}")
 
 
@@ -138,6 +155,49 @@ def _mla_cost(lc, d, seq_len, ctx, dtype_bytes):
     read = n_sel * per_tok + idx_cache
     return dict(params=params, train_flops=train, cache_bytes_per_token=per_tok + (dI * dtype_bytes if dsa else 0),
                 cache_bytes=cache, decode_flops=dec, decode_bytes=params * dtype_bytes + read)
+
+
+def _mfa_cost(lc, d, seq_len, ctx, dtype_bytes):
+    H, C, r, kr = lc.n_heads, lc.head_dim, lc.share_q_dim, lc.key_reuse
+    mm = d * r + r * H * C + d * C + (0 if kr else d * C) + H * C * d
+    params = mm + r + (C * C + C if kr else 0)            # + q_norm; MFA-KR: N and alpha
+    kr_flops = 2 * H * C * C if kr else 0
+    per_tok = (1 if kr else 2) * C * dtype_bytes
+    return dict(params=params, train_flops=3 * (2 * mm + kr_flops + 4 * H * C * keys_seen_avg(seq_len)),
+                cache_bytes_per_token=per_tok, cache_bytes=ctx * per_tok,
+                decode_flops=2 * mm + kr_flops + 4 * H * C * ctx, decode_bytes=params * dtype_bytes + ctx * per_tok)
+
+
+def n_compressed(L, l, d):
+    """NSA compressed blocks complete within L keys: max(0, floor((L - l) / d) + 1)."""
+    return max(0, (L - l) // d + 1)
+
+
+def compressed_seen_avg(T, l, d):
+    """Mean of n_compressed(t + 1) over t = 0 .. T-1 (sum of floor(u/d) + 1 for u = 0 .. T-l)."""
+    if T < l:
+        return 0.0
+    q, r = divmod(T - l, d)
+    return (T - l + 1 + d * q * (q - 1) // 2 + q * (r + 1)) / T
+
+
+def _nsa_cost(lc, d, seq_len, ctx, dtype_bytes):
+    Hq, Hkv, D = lc.n_heads, lc.n_kv_heads, lc.head_dim
+    l, stride, n_keys, w = lc.cmp_block, lc.cmp_stride, lc.n_sel * lc.sel_block, lc.window
+    mm = d * Hq * D + 6 * d * Hkv * D + 3 * d * Hq + Hq * D * d
+    cmp_mlp = 2 * (l * D * D + D * D)                     # the key and the value MLP
+    params = mm + cmp_mlp + 2 * l * D                     # + intra-block position embeddings
+    cmp_flops = 2 * cmp_mlp * Hkv / stride                # one block per stride and kv head
+    seen_cmp = compressed_seen_avg(seq_len, l, stride)
+    keys = seen_cmp + keys_seen_avg(seq_len, n_keys) + keys_seen_avg(seq_len, w)
+    train = 3 * (2 * mm + cmp_flops + 4 * Hq * D * keys) + 2 * Hq * D * seen_cmp
+    row = 2 * Hkv * D * dtype_bytes                       # one K and V row of every kv head
+    n_cmp = n_compressed(ctx, l, stride)
+    read = n_cmp + min(ctx, n_keys) + min(ctx, w) + min(ctx, l - 1)
+    return dict(params=params, train_flops=train, cache_bytes_per_token=row * (1 + 1 / stride),
+                cache_bytes=row * (ctx + n_cmp + min(ctx, w) + min(ctx, l - 1)),
+                decode_flops=2 * mm + cmp_flops + 4 * Hq * D * (n_cmp + min(ctx, n_keys) + min(ctx, w))
+                + 2 * Hq * D * n_cmp, decode_bytes=params * dtype_bytes + row * read)
 
 
 # ----------------------------------------------------------------------------------------------

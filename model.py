@@ -108,21 +108,27 @@ class AttnConfig:
     qk_norm: bool = False               # RMSNorm on q and k per head
 
     def check(self, path, model):
-        positive(f"{path}.n_heads", self.n_heads)
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        positive(f"{path}.n_kv_heads", self.n_kv_heads)
-        require(self.n_heads % self.n_kv_heads == 0, f"{path}.n_kv_heads",
-                f"a divisor of n_heads={self.n_heads}", self.n_kv_heads)
-        if self.head_dim is None:
-            require(model.d_model % self.n_heads == 0, f"{path}.n_heads",
-                    f"a divisor of d_model={model.d_model} (or set head_dim)", self.n_heads)
-            self.head_dim = model.d_model // self.n_heads
-        positive(f"{path}.head_dim", self.head_dim)
-        if self.rope:
-            require(self.head_dim % 2 == 0, f"{path}.head_dim", "even when rope is true", self.head_dim)
+        check_heads(self, path, model)
         require(self.window is None or self.window >= 1, f"{path}.window", "an integer >= 1 or null", self.window)
-        require(self.rope_theta > 0, f"{path}.rope_theta", "> 0", self.rope_theta)
+
+
+def check_heads(cfg, path, model):
+    """n_heads, n_kv_heads (None = n_heads), head_dim (None = d_model // n_heads), rope, rope_theta."""
+    positive(f"{path}.n_heads", cfg.n_heads)
+    if getattr(cfg, "n_kv_heads", 1) is None:
+        cfg.n_kv_heads = cfg.n_heads
+    if hasattr(cfg, "n_kv_heads"):
+        positive(f"{path}.n_kv_heads", cfg.n_kv_heads)
+        require(cfg.n_heads % cfg.n_kv_heads == 0, f"{path}.n_kv_heads",
+                f"a divisor of n_heads={cfg.n_heads}", cfg.n_kv_heads)
+    if cfg.head_dim is None:
+        require(model.d_model % cfg.n_heads == 0, f"{path}.n_heads",
+                f"a divisor of d_model={model.d_model} (or set head_dim)", cfg.n_heads)
+        cfg.head_dim = model.d_model // cfg.n_heads
+    positive(f"{path}.head_dim", cfg.head_dim)
+    if cfg.rope:
+        require(cfg.head_dim % 2 == 0, f"{path}.head_dim", "even when rope is true", cfg.head_dim)
+    require(cfg.rope_theta > 0, f"{path}.rope_theta", "> 0", cfg.rope_theta)
 
 
 @dataclass
@@ -305,6 +311,21 @@ class LayerCache:
         return sum(t.numel() * t.element_size() for t in vars(self).values() if torch.is_tensor(t))
 
 
+def ring_append(ring, x, pos, keep):
+    """Ring buffer ring [B, slots, ...] holds position p in slot p % slots. Write x [B, T, ...] (positions
+    pos .. pos+T-1, cast to the ring's dtype) and return the min(pos, keep, slots) rows before pos
+    followed by x: every row a query of the chunk may need when it looks back `keep` positions."""
+    T, slots = x.shape[1], ring.shape[1]
+    x = x.to(ring.dtype)                                    # bf16 under autocast, the cache is not
+    n_old = min(pos, keep, slots)
+    old = torch.arange(pos - n_old, pos, device=x.device) % max(slots, 1)
+    out = torch.cat([ring[:, old], x], dim=1)
+    n_new = min(T, slots)
+    new = torch.arange(pos + T - n_new, pos + T, device=x.device) % max(slots, 1)
+    ring[:, new] = x[:, T - n_new:]
+    return out
+
+
 class Cache:
     """Decode state of a whole model: one LayerCache per layer and the number of tokens seen."""
 
@@ -372,18 +393,10 @@ class Attention(nn.Module):
             return cache.k[:, :, :pos + T].transpose(1, 2), cache.v[:, :, :pos + T].transpose(1, 2)
         if pos + T > slots and slots < self.cfg.window:  # the context outgrew max_len: keep the window
             self.grow_ring(cache, pos)
-            slots = cache.k.shape[2]
         # ring buffer: position p lives in slot p % slots; the first new query still sees the
         # window-1 tokens before it, which are all still in the ring.
-        n_old = min(pos, self.cfg.window - 1, slots)
-        old = torch.arange(pos - n_old, pos, device=k.device) % slots
-        k_all = torch.cat([cache.k[:, :, old].transpose(1, 2), k], dim=1)
-        v_all = torch.cat([cache.v[:, :, old].transpose(1, 2), v], dim=1)
-        n_new = min(T, slots)
-        new = torch.arange(pos + T - n_new, pos + T, device=k.device) % slots
-        cache.k[:, :, new] = k[:, T - n_new:].transpose(1, 2)
-        cache.v[:, :, new] = v[:, T - n_new:].transpose(1, 2)
-        return k_all, v_all
+        return (ring_append(cache.k.transpose(1, 2), k, pos, self.cfg.window - 1),
+                ring_append(cache.v.transpose(1, 2), v, pos, self.cfg.window - 1))
 
 
     def grow_ring(self, cache, pos):
@@ -778,6 +791,326 @@ class MLA(nn.Module):
 
 
 MIXERS["mla"] = (MLAConfig, MLA)
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-matrix factorization attention (SPEC 5; Hu et al. 2025, Step-3)
+
+
+@dataclass
+class MFAConfig:
+    """MFA: a shared low-rank query (x -> share_q_dim -> RMSNorm -> n_heads x head_dim), ONE key head and
+    ONE value head of head_dim for all heads; key_reuse (MFA-KR) derives the value from the key."""
+    kind: str = "mfa"
+    n_heads: int = 4
+    head_dim: Optional[int] = None      # None = d_model // n_heads; MFA wants many large heads
+    share_q_dim: Optional[int] = None   # the query latent (S_Q); None = head_dim (as Step-3's code)
+    key_reuse: bool = False             # MFA-KR: cache the key only (head_dim numbers per token)
+    rope: bool = True
+    rope_theta: float = 10000.0
+
+    def check(self, path, model):
+        check_heads(self, path, model)
+        if self.share_q_dim is None:
+            self.share_q_dim = self.head_dim
+        positive(f"{path}.share_q_dim", self.share_q_dim)
+
+
+def check_no_packing(kind, cu_seqlens):
+    if cu_seqlens is not None:
+        raise ValueError(f"{kind}: packed documents (cu_seqlens) are not supported by this mixer yet; "
+                         f"train it on unpacked sequences")
+
+
+class MFA(nn.Module):
+    """q_h = RMSNorm(x S_Q) Q_h (H heads of C = head_dim); k = x S_K, v = x S_V shared by every head;
+    RoPE on q and k; out = W_o [o_1 .. o_H]. MFA-KR: no S_V, v = k + alpha * (N k) (the paper's
+    S_V = (I + diag(alpha) N) S_K read in the key's C-space, so v is a function of the cached key;
+    alpha starts at 0: v = k at init). v is linear in k, so the map is applied once per head after the
+    attention: o_h = u_h + alpha * N u_h with u_h = sum_j p_hj k_j (un-roped keys as values).
+    Cache: the un-roped key (and v) per token, whatever the head count; RoPE is applied on read."""
+
+    def __init__(self, cfg: MFAConfig, model: ModelConfig):
+        super().__init__()
+        self.cfg, self.backend = cfg, model.backend
+        d, H, C, r = model.d_model, cfg.n_heads, cfg.head_dim, cfg.share_q_dim
+        self.wq_a = nn.Linear(d, r, bias=False)                   # S_Q
+        self.q_norm = RMSNorm(r, model.norm_eps)
+        self.wq_b = nn.Linear(r, H * C, bias=False)               # Q_h, one C x r block per head
+        self.wk = nn.Linear(d, C, bias=False)                     # S_K
+        if cfg.key_reuse:
+            self.kr_n = nn.Linear(C, C, bias=False)               # N
+            self.kr_alpha = nn.Parameter(torch.zeros(C))          # alpha
+        else:
+            self.wv = nn.Linear(d, C, bias=False)                 # S_V
+        self.wo = nn.Linear(H * C, d, bias=False)                 # O_h
+        self.wo.residual_out = True
+
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path."""
+        check_no_packing("mfa", cu_seqlens)
+        B, T, _ = x.shape
+        c = self.cfg
+        H, C = c.n_heads, c.head_dim
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, H, C)
+        k = self.wk(x)                                            # [B, T, C]
+        v = k if c.key_reuse else self.wv(x)                      # [B, T, C]
+        if cache is not None:
+            k, v = self.update_cache(cache, k, v, pos)            # every key the new queries see
+        S = k.shape[1]
+        k_rot = k[:, :, None]                                     # [B, S, 1, C]
+        if c.rope:
+            cos, sin = rope_angles(torch.arange(S, device=x.device), C, c.rope_theta)
+            q = apply_rope(q, cos[S - T:], sin[S - T:])
+            k_rot = apply_rope(k_rot, cos, sin)
+        # one kv head broadcast to all H heads as a stride-0 view (SDPA's fused path, see MLA)
+        o = kernels.attention(q, k_rot.expand(B, S, H, C), v[:, :, None].expand(B, S, H, C),
+                              backend=self.backend)                   # [B, T, H, C]
+        if c.key_reuse:
+            o = o + self.kr_alpha * self.kr_n(o)
+        return self.wo(o.reshape(B, T, H * C))
+
+    def new_cache(self, batch_size, max_len, device, dtype):
+        """k [B, max_len, C] (un-roped) and, without key reuse, v [B, max_len, C]."""
+        shape = (batch_size, max_len, self.cfg.head_dim)
+        if self.cfg.key_reuse:
+            return LayerCache(k=torch.zeros(shape, device=device, dtype=dtype))
+        return LayerCache(k=torch.zeros(shape, device=device, dtype=dtype),
+                          v=torch.zeros(shape, device=device, dtype=dtype))
+
+    def update_cache(self, cache, k, v, pos):
+        T, slots = k.shape[1], cache.k.shape[1]
+        if pos + T > slots:
+            raise ValueError(f"context of {pos + T} tokens exceeds the cache of an MFA layer "
+                             f"(max_len={slots}); make the cache larger")
+        cache.k[:, pos:pos + T] = k
+        if self.cfg.key_reuse:
+            return cache.k[:, :pos + T], cache.k[:, :pos + T]
+        cache.v[:, pos:pos + T] = v
+        return cache.k[:, :pos + T], cache.v[:, :pos + T]
+
+
+MIXERS["mfa"] = (MFAConfig, MFA)
+
+
+# ----------------------------------------------------------------------------------------------
+# Native sparse attention (SPEC 5; Yuan et al. 2025)
+#
+# Sizes: l = cmp_block, d = cmp_stride, l' = sel_block, n = n_sel, w = window. Compressed block i
+# covers keys [i d, i d + l) and is visible to a query at position p once complete: i d + l - 1 <= p,
+# so p sees n_cmp(p + 1) blocks, n_cmp(S) = max(0, floor((S - l) / d) + 1). Selection block j covers
+# keys [j l', (j + 1) l').
+
+NSA_BLOCK_Q = 256  # queries per block of the (no-grad) block scoring: memory O(block * S / d)
+NSA_LOCAL_BLOCKS = 2  # the selection always takes block 0 and the query's own block and the one before
+
+
+@dataclass
+class NSAConfig:
+    """NSA: GQA heads; compression, selection and sliding-window branches, each with its own K/V,
+    mixed by per-head sigmoid gates from x."""
+    kind: str = "nsa"
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None    # None = n_heads; a GQA group shares its selected blocks
+    head_dim: Optional[int] = None      # None = d_model // n_heads
+    cmp_block: int = 32                 # l: keys per compressed block
+    cmp_stride: int = 16                # d: one compressed key every d keys
+    sel_block: int = 64                 # l': keys per selection block
+    n_sel: int = 16                     # n: blocks each query's group selects (first + 2 local included)
+    window: int = 512                   # w: keys of the sliding-window branch
+    rope: bool = True                   # RoPE on the selection and window branches (token level)
+    rope_theta: float = 10000.0
+
+    def check(self, path, model):
+        check_heads(self, path, model)
+        positive(f"{path}.cmp_stride", self.cmp_stride)
+        d = self.cmp_stride
+        require(self.cmp_block >= d and self.cmp_block % d == 0, f"{path}.cmp_block",
+                f"a multiple of cmp_stride={d}", self.cmp_block)
+        require(self.sel_block >= d and self.sel_block % d == 0, f"{path}.sel_block",
+                f"a multiple of cmp_stride={d}", self.sel_block)
+        require(self.n_sel >= 1 + NSA_LOCAL_BLOCKS, f"{path}.n_sel",
+                f"an integer >= {1 + NSA_LOCAL_BLOCKS} (the first block and the {NSA_LOCAL_BLOCKS} most "
+                f"recent are always selected)", self.n_sel)
+        positive(f"{path}.window", self.window)
+
+
+def n_compressed(S, l, d):
+    """Compressed blocks complete within S keys: max(0, floor((S - l) / d) + 1)."""
+    return max(0, (S - l) // d + 1)
+
+
+class NSA(nn.Module):
+    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win per head, g = sigmoid(x W_g).
+
+    cmp: attention over compressed keys/values phi(block of l raw keys + intra-block position
+         embedding), phi an MLP (l*D -> D -> D); no RoPE (the block's position is in the embedding).
+    slc: the query's GQA group picks n blocks of l' raw keys by the importance of the compression
+         branch's probabilities, summed over the group's heads (the paper's l' != l mapping), and
+         attends them token by token (kernels.block_sparse_attention).
+    win: sliding window of w keys (kernels.attention).
+    Decode cache: the selection's raw K/V (all tokens), the compressed K/V (one per completed stride),
+    the compression's last l-1 raw K/V (the next blocks' inputs) and the window branch's ring of w."""
+
+    def __init__(self, cfg: NSAConfig, model: ModelConfig):
+        super().__init__()
+        self.cfg, self.backend = cfg, model.backend
+        d, Hq, Hkv, D, l = model.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.cmp_block
+        self.wq = nn.Linear(d, Hq * D, bias=False)
+        self.wkv = nn.Linear(d, 6 * Hkv * D, bias=False)          # [k, v] of cmp, slc, win
+        self.cmp_pos = nn.Parameter(torch.zeros(2, l, D))         # intra-block position of keys, values
+        self.cmp_k = nn.Sequential(nn.Linear(l * D, D, bias=False), nn.SiLU(), nn.Linear(D, D, bias=False))
+        self.cmp_v = nn.Sequential(nn.Linear(l * D, D, bias=False), nn.SiLU(), nn.Linear(D, D, bias=False))
+        self.gate = nn.Linear(d, 3 * Hq, bias=False)
+        self.wo = nn.Linear(Hq * D, d, bias=False)
+        self.wo.residual_out = True
+        self.scale = D ** -0.5
+
+    def reset_special_parameters(self):
+        nn.init.normal_(self.cmp_pos, 0.0, 0.02)
+
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path."""
+        check_no_packing("nsa", cu_seqlens)
+        B, T, _ = x.shape
+        o_cmp, o_slc, o_win = self.branches(x, cache, pos)       # [B, T, Hq, D] each
+        g = torch.sigmoid(self.gate(x)).view(B, T, self.cfg.n_heads, 3, 1)
+        o = g[:, :, :, 0] * o_cmp + g[:, :, :, 1] * o_slc + g[:, :, :, 2] * o_win
+        return self.wo(o.reshape(B, T, -1))
+
+    def branches(self, x, cache=None, pos=0):
+        """The three branch outputs o_cmp, o_slc, o_win [B, T, Hq, D] before the gates."""
+        B, T, _ = x.shape
+        c = self.cfg
+        q = self.wq(x).view(B, T, c.n_heads, c.head_dim)
+        kc, vc, ks, vs, kw, vw = self.wkv(x).view(B, T, 6, c.n_kv_heads, c.head_dim).unbind(2)
+        q_rot = q
+        if c.rope:
+            cos, sin = rope_angles(torch.arange(pos, pos + T, device=x.device), c.head_dim, c.rope_theta)
+            q_rot, ks, kw = apply_rope(q, cos, sin), apply_rope(ks, cos, sin), apply_rope(kw, cos, sin)
+        if cache is None:
+            ck, cv = self.compress(kc, vc)
+        else:
+            ck, cv, ks, vs, kw, vw = self.update_cache(cache, kc, vc, ks, vs, kw, vw, pos)
+        o_cmp = self.compressed_attention(q, ck, cv, pos)
+        blocks = self.select_blocks(q, ck, pos, pos + T)                 # [B, T, Hkv, n]
+        o_slc = kernels.block_sparse_attention(q_rot, ks, vs, blocks, c.sel_block, scale=self.scale,
+                                               backend=self.backend)
+        o_win = kernels.attention(q_rot, kw, vw, window=c.window, scale=self.scale, backend=self.backend)
+        return o_cmp, o_slc, o_win
+
+    def compress(self, k, v):
+        """Raw rows k, v [B, R, Hkv, D] -> one key and value per complete block of l at stride d,
+        the first block starting at row 0: [B, n_compressed(R), Hkv, D]."""
+        l, d = self.cfg.cmp_block, self.cfg.cmp_stride
+        n = n_compressed(k.shape[1], l, d)
+        if n == 0:
+            return k[:, :0], v[:, :0]
+        out = []
+        for i, (rows, mlp) in enumerate(((k, self.cmp_k), (v, self.cmp_v))):
+            blocks = rows[:, :(n - 1) * d + l].unfold(1, l, d)                  # [B, n, Hkv, D, l]
+            blocks = blocks.transpose(-1, -2) + self.cmp_pos[i].to(rows.dtype)   # [B, n, Hkv, l, D]
+            out.append(mlp(blocks.flatten(-2)))                                  # [B, n, Hkv, D]
+        return out
+
+    def compressed_attention(self, q, ck, cv, pos):
+        """Query p (= pos + t) attends compressed blocks i with i d + l - 1 <= p; none visible -> 0.
+
+        Queries sharing a stride see the same prefix of blocks: they are folded into extra heads
+        ([B*Hkv, groups, d*G, D], group g seeing blocks 0..g), which makes it plain causal attention
+        for kernels.attention (fused, nothing T x T kept), the group's block shared by stride-0 views."""
+        B, T, Hq, D = q.shape
+        l, d = self.cfg.cmp_block, self.cfg.cmp_stride
+        N, Hkv = ck.shape[1], ck.shape[2]
+        lo = max(pos, l - 1)                                        # first query that sees a block
+        if N == 0 or lo >= pos + T:
+            return q.new_zeros(B, T, Hq, cv.shape[-1])
+        g0 = (lo - l + 1) // d                                      # its stride group
+        start, n_g = l - 1 + g0 * d, N - g0                         # groups g0 .. N-1 (the last holds pos+T-1)
+        qq = F.pad(q[:, lo - pos:], (0, 0, 0, 0, lo - start, start + n_g * d - pos - T))
+        qq = qq.view(B, n_g, d, Hkv, Hq // Hkv, D).permute(0, 3, 1, 2, 4, 5).reshape(B * Hkv, n_g, -1, D)
+        kk = ck.transpose(1, 2).reshape(B * Hkv, N, 1, D).expand(-1, -1, qq.shape[2], -1)
+        vv = cv.transpose(1, 2).reshape(B * Hkv, N, 1, -1).expand(-1, -1, qq.shape[2], -1)
+        o = kernels.attention(qq, kk, vv, scale=self.scale, backend=self.backend)   # [B*Hkv, n_g, d*G, Dv]
+        o = o.reshape(B, Hkv, n_g * d, Hq // Hkv, -1).transpose(1, 2).reshape(B, n_g * d, Hq, -1)
+        o = o[:, lo - start:lo - start + pos + T - lo]
+        return torch.cat([o.new_zeros(B, lo - pos, Hq, o.shape[-1]), o], dim=1)
+
+    @torch.no_grad()
+    def select_blocks(self, q, ck, pos, S):
+        """Block ids [B, T, Hkv, min(n, ceil(S / l'))] per query (-1 = unused): the top n by importance
+        (ties to the most recent block), block 0 and the NSA_LOCAL_BLOCKS most recent always in, blocks
+        after the query never."""
+        c = self.cfg
+        B, T, Hq, D = q.shape
+        Hkv, N = c.n_kv_heads, ck.shape[1]
+        n_blocks = -(-S // c.sel_block)
+        j = torch.arange(n_blocks, device=q.device)
+        out = []
+        with torch.autocast(q.device.type, enabled=False):          # fp32 scores, also under autocast
+            for t0 in range(0, T, NSA_BLOCK_Q):
+                t1 = min(T, t0 + NSA_BLOCK_Q)
+                qpos = torch.arange(pos + t0, pos + t1, device=q.device)
+                qg = q[:, t0:t1].float().view(B, t1 - t0, Hkv, Hq // Hkv, D)
+                att = torch.einsum("bthgd,bnhd->bthgn", qg, ck.float()) * self.scale
+                seen = torch.arange(N, device=q.device) <= ((qpos - c.cmp_block + 1) // c.cmp_stride)[:, None]
+                att = att.masked_fill(~seen[None, :, None, None], float("-inf"))
+                p = att.softmax(-1).nan_to_num(0.0).sum(3)                           # [B, Tb, Hkv, N]
+                score = self.block_importance(p, n_blocks)                         # [B, Tb, Hkv, n_blocks]
+                cur = (qpos // c.sel_block)[:, None]
+                forced = (j == 0) | ((j <= cur) & (j > cur - NSA_LOCAL_BLOCKS))
+                score = score.masked_fill(forced[None, :, None], float("inf"))
+                score = score.masked_fill((j > cur)[None, :, None], float("-inf"))
+                # top n by (score, block id): a stable sort of the reversed blocks sends exact ties
+                # (e.g. probabilities that underflowed to 0) to the most recent block, in any chunking
+                best, idx = score.flip(-1).sort(dim=-1, descending=True, stable=True)
+                best, idx = best[..., :c.n_sel], n_blocks - 1 - idx[..., :c.n_sel]
+                out.append(idx.masked_fill(best == float("-inf"), -1))
+        return torch.cat(out, dim=1)
+
+    def block_importance(self, p, n_blocks):
+        """Compression probabilities p [..., N] -> selection block importance [..., n_blocks]:
+        p_slc[j] = sum_{m < l'/d} sum_{n < l/d} p[j l'/d + m - n], the compressed blocks overlapping
+        selection block j, each weighted by how many (m, n) reach it (terms outside 0..N-1 are 0)."""
+        r, c = self.cfg.sel_block // self.cfg.cmp_stride, self.cfg.cmp_block // self.cfg.cmp_stride
+        w = torch.zeros(r + c - 1, device=p.device, dtype=p.dtype)
+        for m in range(r):                                          # offset m - n, shifted by c - 1
+            w[m:m + c] += 1
+        padded = F.pad(p, (c - 1, n_blocks * r - p.shape[-1]))      # [..., (c-1) + n_blocks * r]
+        return padded.unfold(-1, r + c - 1, r) @ w
+
+    def new_cache(self, batch_size, max_len, device, dtype):
+        """[B, rows, Hkv, D] each: ks/vs the selection's raw K/V, ck/cv the compressed K/V, kc/vc the
+        compression's pending raw rows (l - 1), kw/vw the window branch's ring."""
+        c = self.cfg
+        n_cmp = n_compressed(max_len, c.cmp_block, c.cmp_stride)
+        pending, ring = min(c.cmp_block - 1, max_len), min(c.window, max_len)
+        rows = dict(ks=max_len, vs=max_len, ck=n_cmp, cv=n_cmp, kc=pending, vc=pending, kw=ring, vw=ring)
+        return LayerCache(**{name: torch.zeros(batch_size, n, c.n_kv_heads, c.head_dim, device=device, dtype=dtype)
+                             for name, n in rows.items()})
+
+    def update_cache(self, cache, kc, vc, ks, vs, kw, vw, pos):
+        """Store the chunk's rows, compress the blocks it completes; return what its queries see:
+        compressed K/V, the selection's raw K/V of positions 0 .. pos+T-1 and the window's K/V."""
+        c = self.cfg
+        T, slots = ks.shape[1], cache.ks.shape[1]
+        if pos + T > slots:
+            raise ValueError(f"context of {pos + T} tokens exceeds the cache of an NSA layer "
+                             f"(max_len={slots}); make the cache larger")
+        cache.ks[:, pos:pos + T], cache.vs[:, pos:pos + T] = ks, vs
+        kw = ring_append(cache.kw, kw, pos, c.window - 1)
+        vw = ring_append(cache.vw, vw, pos, c.window - 1)
+        kc = ring_append(cache.kc, kc, pos, c.cmp_block - 1)         # rows from pos - n_old on
+        vc = ring_append(cache.vc, vc, pos, c.cmp_block - 1)
+        done, now = (n_compressed(s, c.cmp_block, c.cmp_stride) for s in (pos, pos + T))
+        if now > done:
+            first = done * c.cmp_stride - (pos + T - kc.shape[1])   # row of block `done`'s first key
+            new_k, new_v = self.compress(kc[:, first:], vc[:, first:])
+            cache.ck[:, done:now], cache.cv[:, done:now] = new_k, new_v
+        return (cache.ck[:, :now], cache.cv[:, :now], cache.ks[:, :pos + T], cache.vs[:, :pos + T], kw, vw)
+
+
+MIXERS["nsa"] = (NSAConfig, NSA)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -331,10 +331,11 @@ def print_cache_bytes(mcfg, dtype_bytes):
         one, two = (cost.mixer_cost(lc, mcfg.d_model, 1, ctx, dtype_bytes)["cache_bytes"] for ctx in (1, 2))
         if one == two:
             print(f"cache: {name} ({lc.kind}) {one:,.0f} bytes/layer whatever the context")
-        else:
-            window = getattr(lc, "window", None)
+        else:  # per token: cost.py's growth rate (a window caps attn; NSA's ring adds to a growing cache)
+            window = getattr(lc, "window", None) if lc.kind == "attn" else None
             cap = f", at most {window} tokens" if window else ""
-            print(f"cache: {name} ({lc.kind}) {two - one:,.0f} bytes/token/layer ({dtype_bytes}-byte){cap}")
+            per_token = cost.mixer_cost(lc, mcfg.d_model, 1, 1, dtype_bytes)["cache_bytes_per_token"] or two - one
+            print(f"cache: {name} ({lc.kind}) {per_token:,.0f} bytes/token/layer ({dtype_bytes}-byte){cap}")
 
 
 def train(cfg, resume=None, quiet=False, stop_at=None, overwrite=False):
