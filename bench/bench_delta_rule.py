@@ -12,11 +12,17 @@ Times are the median of --repeat runs without the profiler.
 
     python bench/bench_delta_rule.py                       # B=1 H=4 K=V=64, T in 512 2048 8192
     python bench/bench_delta_rule.py --loop-max-T 2048     # skip the slow loop at longer T
+    python bench/bench_delta_rule.py --T 2048 --against main --threads 1
+        # the torch path against kernels/torch_delta_rule.py as it is at git revision `main`, side by
+        # side in this process with interleaved repeats (time ratio and peak-memory ratio)
 """
 import argparse
+import importlib.util
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -114,6 +120,43 @@ def saved_mb(fn, inputs):
     return sum(storages.values()) / 2**20
 
 
+def load_at_revision(rev):
+    """kernels/torch_delta_rule.py as it is at git revision `rev`, imported as a standalone module."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = subprocess.run(["git", "show", f"{rev}:kernels/torch_delta_rule.py"], cwd=root, check=True,
+                         capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), f"torch_delta_rule_at_{rev.replace('/', '_')}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("delta_rule_at_rev", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def against(args, scale, device, dtype):
+    """This checkout's torch path against the one at --against, interleaved repeats, one process."""
+    from kernels.torch_delta_rule import delta_rule_torch
+    before = load_at_revision(args.against).delta_rule_torch
+    fns = {"now": lambda *x: delta_rule_torch(*x, scale=scale)[0],
+           args.against: lambda *x: before(*x, scale=scale)[0]}
+    print(f"torch path now vs at {args.against}: B={args.B} H={args.H} K={args.K} V={args.V} {args.dtype} "
+          f"on {device} (threads={torch.get_num_threads()}), forward+backward, median of {args.repeat} interleaved")
+    for T in args.T:
+        inputs = make_inputs(args.B, T, args.H, args.K, args.V, device, dtype)
+        times = {name: [] for name in fns}
+        for fn in fns.values():
+            fwd_bwd(fn, inputs)                                   # warm-up
+        for _ in range(args.repeat):
+            for name, fn in fns.items():
+                times[name].append(time_ms(fn, inputs, device, 1))
+        ms = {name: statistics.median(t) for name, t in times.items()}
+        mb = {name: peak_mb(fn, inputs, device) for name, fn in fns.items()}
+        print(f"T={T}: " + "  ".join(f"{n} {ms[n]:.1f} ms {mb[n]:.1f} MB" for n in fns)
+              + f"  | {args.against}/now: time {ms[args.against] / ms['now']:.2f}x, "
+              f"peak memory {mb[args.against] / mb['now']:.2f}x", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths")
@@ -128,6 +171,8 @@ def main():
     p.add_argument("--loop-max-T", type=int, default=None, help="skip the token loop above this T")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--against", default=None, metavar="REV",
+                   help="compare the torch path with kernels/torch_delta_rule.py at this git revision")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -136,6 +181,8 @@ def main():
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     scale = args.K ** -0.5
     chunked = lambda q, k, v, g, beta: delta_rule_op(q, k, v, g, beta, scale=scale, backend=args.backend)[0]
+    if args.against:
+        return against(args, scale, device, dtype)
     looped = lambda q, k, v, g, beta: loop_delta_rule(q, k, v, g, beta, scale)
     softmax = lambda q, k, v, g, beta: softmax_attention(q, k, v, scale=scale)
     print(f"B={args.B} H={args.H} K={args.K} V={args.V} {args.dtype} on {device} "

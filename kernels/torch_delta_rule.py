@@ -46,19 +46,26 @@ chunk is handled by masks on the chunk matrices, nothing is padded:
     k_j in S_next                        only where doc_j is the document of the chunk's last row
 Every masked term is finite before the mask (exponents stay <= 0), so gradients stay clean.
 
-Gradients come from autograd through the chunked forward.
+Gradients are written by hand (_chunk_backward, inside the autograd Function _ChunkedDeltaRule): the
+forward saves only its inputs and the state before each chunk; the backward recomputes each group
+of chunks' matrices, runs the recurrence backwards (dS before a chunk = (q_decayed - P W)^T dO +
+transition^T dS after it), and pushes the gradients through P and A with the same halving
+(_decayed_matmuls); with packed documents the
+same masks zero dP and dA across documents and k_to_end's gradient outside the last row's document.
+tests/test_delta_rule.py checks it against autograd through _chunk_forward.
 """
 import torch
 import torch.nn.functional as F
 
 CHUNK = 64  # positions per chunk; a power of two (the recursive halving needs it)
+GROUP = 4   # chunks the autograd Function processes at once (bench/bench_delta_rule.py --against)
 
 
 def _to_chunks(x, T_pad, C):
     """[B, T, H, *rest] -> [B, H, N, C, *rest] float32, zero-padded in time up to T_pad = N * C."""
     B, T, H = x.shape[:3]
     rest = x.shape[3:]
-    x = x.float()
+    x = x.to(_compute_dtype(x))
     if T_pad > T:
         x = F.pad(x, (0, 0) * len(rest) + (0, 0, 0, T_pad - T))
     return x.reshape(B, T_pad // C, C, H, *rest).movedim(3, 1)
@@ -124,14 +131,211 @@ def _chunk_matrices(q, k, G, beta, doc=None):
     return P.squeeze(-3), T_inv.squeeze(-3)
 
 
+NO_DOCS = (None, 1.0, 1.0, 1.0)  # _doc_masks without packed documents: nothing masked
+
+
+def _chunk_operators(q, k, v, G, beta, masks=NO_DOCS):
+    """The state-independent per-chunk operators, for all chunks at once.
+
+    q (scaled), k [..., C, K]  v [..., C, V]  G [..., C, K or 1]  beta [..., C, 1]; masks: _doc_masks
+    (doc, cont, last, carry) of packed documents, or NO_DOCS. Returns
+      P [..., C, C], T_inv [..., C, C]           (see _chunk_matrices)
+      XY [..., C, K+V] = [beta k exp(G), beta v] and WU = T_inv @ XY = [W, U]
+      q_decayed [..., C, K] = q exp(G)           k_to_end [..., C, K] = k exp(G_last - G)
+      state_decay [..., K or 1, 1] = exp(G_last)
+    """
+    doc, cont, last, carry = masks
+    P, T_inv = _chunk_matrices(q, k, G, beta, doc)
+    decay_from_start = torch.exp(G) * cont                        # exponent <= 0; 0 after a boundary
+    XY = torch.cat([beta * k * decay_from_start, beta * v], dim=-1)
+    G_last = G[..., -1:, :]                                       # [..., 1, K or 1]
+    k_to_end = k * torch.exp(G_last - G) * last                   # k_j decayed to the chunk end
+    state_decay = (torch.exp(G_last) * carry).transpose(-1, -2)
+    return P, T_inv, XY, T_inv @ XY, q * decay_from_start, k_to_end, state_decay
+
+
+def _chunk_forward(q, k, v, G, beta, S0, masks=NO_DOCS):
+    """The chunked recurrence on chunked float tensors (module docstring), differentiable by autograd.
+
+    q (scaled), k [B,H,N,C,K]  v [B,H,N,C,V]  G [B,H,N,C,K or 1]  beta [B,H,N,C,1]  S0 [B,H,K,V].
+    With u = U - W S (what each step writes), a chunk maps its start state S to
+        O      = q_decayed S + P u     = (q_decayed - P W) S + P U
+        S_next = state_decay S + k_to_end^T u = (Diag(state_decay) - k_to_end^T W) S + k_to_end^T U
+    so the loop over chunks is one [K,K] @ [K,V] matmul. Returns O [B,H,N,C,V] and the states
+    [B,H,N+1,K,V] (entry n: the state before chunk n; the last: the final state).
+    """
+    K = k.shape[-1]
+    P, _, _, WU, q_decayed, k_to_end, state_decay = _chunk_operators(q, k, v, G, beta, masks)
+    W, U = WU[..., :K], WU[..., K:]
+    k_to_end_t = k_to_end.transpose(-1, -2)                       # [B,H,N,K,C]
+    eye = torch.eye(K, dtype=k.dtype, device=k.device)
+    transition = state_decay * eye - k_to_end_t @ W               # [B,H,N,K,K]
+    write = k_to_end_t @ U                                        # [B,H,N,K,V]
+    states = [S0]
+    for transition_n, write_n in zip(transition.unbind(2), write.unbind(2)):
+        states.append(transition_n @ states[-1] + write_n)
+    S = torch.stack(states, dim=2)                                # [B,H,N+1,K,V]
+    O = (q_decayed - P @ W) @ S[:, :, :-1] + P @ U                # [B,H,N,C,V]
+    return O, S
+
+
+def _decayed_matmuls(M, a, b, G):
+    """The two decayed products the backward of P and A needs, elementwise in the K channels:
+        F[i] = sum_{j<i} M[i,j] exp(G_i - G_j) b_j        B[j] = sum_{i>j} M[i,j] exp(G_i - G_j) a_i
+    M [..., C, C] (its strict lower triangle is read)  a, b [..., C, K]  G [..., C, K or 1]. Built by the same
+    recursive halving as _chunk_matrices: the pairs (i in a high half, j in its low half) factor through
+    the low half's last position r, with both exponents <= 0."""
+    C, K = b.shape[-2:]
+    F_, B_ = torch.zeros_like(b), torch.zeros_like(a)
+    L = 2
+    while L <= C:
+        h, n = L // 2, C // L
+        halves = lambda x: x.reshape(*x.shape[:-2], n, 2, h, x.shape[-1]).unbind(-3)  # low, high: [..., n, h, D]
+        G_low, G_high = halves(G)
+        G_ref = G_low[..., h - 1:, :]                             # [..., n, 1, K or 1]
+        to_ref, from_ref = torch.exp(G_ref - G_low), torch.exp(G_high - G_ref)
+        blocks = M.reshape(*M.shape[:-2], n, L, n, L).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # [..., n, L, L]
+        M21 = blocks[..., h:, :h]                                 # rows in the high half, columns in the low
+        F_.view(*b.shape[:-2], n, 2, h, K)[..., 1, :, :] += from_ref * (M21 @ (halves(b)[0] * to_ref))
+        B_.view(*a.shape[:-2], n, 2, h, K)[..., 0, :, :] += to_ref * (M21.transpose(-1, -2) @ (halves(a)[1] * from_ref))
+        L *= 2
+    return F_, B_
+
+
+def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
+    """Gradients of _chunk_forward, by hand: recompute the chunk operators from the inputs, run the
+    recurrence backwards over chunks (dS before chunk n = (q_decayed - P W)^T dO_n + transition_n^T
+    dS after it), then push the gradients through the operators for all chunks at once.
+
+    Shapes as _chunk_forward; S [B,H,N+1,K,V] its states; dO [B,H,N,C,V]; dS_final [B,H,K,V].
+    Returns dq, dk [..,C,K], dv [..,C,V], dg [..,C,K or 1] (of the per-step log decays, not of G),
+    dbeta [..,C,1], dS0 [B,H,K,V].
+    """
+    K = k.shape[-1]
+    P, T_inv, XY, WU, q_decayed, k_to_end, state_decay = _chunk_operators(q, k, v, G, beta, masks)
+    doc, last = masks[0], masks[2]
+    same_doc = 1.0 if doc is None else (doc == doc.transpose(-1, -2)).float()   # [..., C, C]
+    W, U = WU[..., :K], WU[..., K:]
+    S_start = S[:, :, :-1]                                        # [B,H,N,K,V]
+    eye = torch.eye(K, dtype=k.dtype, device=k.device)
+    transition_t = state_decay.transpose(-1, -2) * eye - W.transpose(-1, -2) @ k_to_end  # [B,H,N,K,K]
+    from_out = (q_decayed - P @ W).transpose(-1, -2) @ dO        # [B,H,N,K,V]
+    dS_after = [dS_final]                                         # dS_after[m]: grad of the state after chunk N-1-m
+    for transition_t_n, from_out_n in zip(reversed(transition_t.unbind(2)), reversed(from_out.unbind(2))):
+        dS_after.append(from_out_n + transition_t_n @ dS_after[-1])
+    dS0 = dS_after.pop()
+    dS_next = torch.stack(dS_after[::-1], dim=2)                  # [B,H,N,K,V]: grad of the state after chunk n
+
+    # through the chunk map (u = U - W S, O = q_decayed S + P u, S_next = state_decay S + k_to_end^T u)
+    u = U - W @ S_start                                           # [B,H,N,C,V]
+    du = P.transpose(-1, -2) @ dO + k_to_end @ dS_next
+    dq_decayed = dO @ S_start.transpose(-1, -2)                   # [B,H,N,C,K]
+    dP = (dO @ u.transpose(-1, -2)).tril() * same_doc
+    dWU = torch.cat([-du @ S_start.transpose(-1, -2), du], dim=-1)
+    dk_to_end = u @ dS_next.transpose(-1, -2)                     # [B,H,N,C,K]
+    dG_last = (S_start * dS_next).sum(-1)[..., None, :] * state_decay.transpose(-1, -2)  # [B,H,N,1,K]
+
+    # through the operators
+    dXY = T_inv.transpose(-1, -2) @ dWU                           # WU = T_inv XY
+    dA = -(dXY @ WU.transpose(-1, -2)).tril(-1) * same_doc        # T_inv = (I + A)^-1
+    dX, dY = dXY[..., :K], dXY[..., K:]
+    decay_from_start = torch.exp(G) * masks[1]
+    dbeta = (dX * k * decay_from_start).sum(-1, keepdim=True) + (dY * v).sum(-1, keepdim=True)
+    dv = beta * dY
+    # P[i,j] = (q_i exp(G_i - G_j)) . k_j  and  A[i,j] = beta_i (k_i exp(G_i - G_j)) . k_j, in one pass
+    (from_P, from_A), (to_P, to_A) = _decayed_matmuls(torch.stack([dP, dA]), torch.stack([q, beta * k]),
+                                                      k.expand(2, *k.shape), G)
+    dbeta = dbeta + (k * from_A).sum(-1, keepdim=True)
+    dP_diag = dP.diagonal(dim1=-2, dim2=-1)[..., None]           # P[i,i] = q_i . k_i: no decay
+    dq = dq_decayed * decay_from_start + from_P + dP_diag * k
+    k_terms_X = dX * beta * decay_from_start
+    dk = k_terms_X + to_P + dP_diag * q + beta * from_A + to_A + dk_to_end * torch.exp(G[..., -1:, :] - G) * last
+    dG = q_decayed * dq_decayed + k * k_terms_X + q * from_P - k * to_P + k * (beta * from_A) - k * to_A
+    dG[..., -1:, :] += dG_last
+    to_end = dk_to_end * k_to_end                                 # k_j exp(G_last - G_j): g_i for i > j
+    dg = dG.flip(-2).cumsum(-2).flip(-2) + to_end.cumsum(-2) - to_end   # G = cumsum(g) within each chunk
+    if G.shape[-1] == 1:                                          # per-head gate: G broadcast over K
+        dg = dg.sum(-1, keepdim=True)
+    return dq, dk, dv, dg, dbeta, dS0
+
+
+class _ChunkedDeltaRule(torch.autograd.Function):
+    """The chunked delta rule with the hand-written backward above. Saves the inputs and the per-chunk
+    states ([B,H,N+1,K,V]); everything else is recomputed in backward. Both directions walk the
+    sequence GROUP chunks at a time (forward in order, backward in reverse), so the temporaries are
+    those of GROUP chunks, not of the whole sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, S0, scale, cu_seqlens):
+        B, T, H, K = q.shape
+        states = [S0 if S0 is not None else q.new_zeros(B, H, K, v.shape[-1], dtype=_compute_dtype(q))]
+        outs = []
+        for t0, t1 in _groups(T):
+            *chunked, masks = _chunked_inputs(q, k, v, g, beta, scale, t0, t1, cu_seqlens)
+            O, S = _chunk_forward(*chunked, states[-1], masks)
+            outs.append(_from_chunks(O, t1 - t0))
+            states += S[:, :, 1:].unbind(2)
+        S = torch.stack(states, dim=2)                            # [B,H,N+1,K,V]
+        ctx.save_for_backward(q, k, v, g, beta, S)
+        ctx.scale, ctx.has_S0, ctx.cu_seqlens = scale, S0 is not None, cu_seqlens
+        return torch.cat(outs, dim=1).to(q.dtype), S[:, :, -1].clone()  # a copy: decode updates it in place
+
+    @staticmethod
+    def backward(ctx, do, dS_final):
+        q, k, v, g, beta, S = ctx.saved_tensors
+        inputs = (q, k, v, g, beta)
+        grads = [S.new_empty(x.shape) for x in inputs]
+        dS = torch.zeros_like(S[:, :, -1]) if dS_final is None else dS_final.to(S.dtype)
+        for t0, t1 in reversed(_groups(q.shape[1])):
+            *chunked, masks = _chunked_inputs(q, k, v, g, beta, ctx.scale, t0, t1, ctx.cu_seqlens)
+            N, C = chunked[0].shape[2:4]
+            n0 = t0 // C
+            dO = _to_chunks(do[:, t0:t1], N * C, C).to(S.dtype)   # [B,H,N,C,V]
+            *group_grads, dS = _chunk_backward(*chunked, S[:, :, n0:n0 + N + 1], dO, dS, masks)
+            group_grads[0] = group_grads[0] * ctx.scale
+            for grad, x, gr in zip(grads, inputs, group_grads):
+                grad[:, t0:t1] = _from_chunks(gr, t1 - t0).reshape(grad[:, t0:t1].shape)
+        grads = [gr.to(x.dtype) for gr, x in zip(grads, inputs)]
+        return (*grads, dS if ctx.has_S0 else None, None, None)
+
+
+def _compute_dtype(x):
+    """float32, or float64 for float64 inputs."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _groups(T):
+    """[(t0, t1)]: the time spans of GROUP chunks each."""
+    span = GROUP * CHUNK
+    return [(t0, min(t0 + span, T)) for t0 in range(0, T, span)]
+
+
+def _chunked_inputs(q, k, v, g, beta, scale, t0=0, t1=None, cu_seqlens=None):
+    """[B,T,H,*] inputs, time steps t0 (a multiple of CHUNK) to t1 -> chunked float tensors: q * scale,
+    k [B,H,N,C,K], v [B,H,N,C,V], G [B,H,N,C,K or 1] (cumulative log decay from each chunk start),
+    beta [B,H,N,C,1], and the chunks' _doc_masks (NO_DOCS without cu_seqlens)."""
+    C = CHUNK
+    q, k, v, g, beta = (x[:, t0:t1] for x in (q, k, v, g, beta))
+    T_pad = -(-q.shape[1] // C) * C                               # padded steps: g=0, beta=0, k=0
+    G = _to_chunks(g, T_pad, C).cumsum(3)
+    masks = NO_DOCS
+    if cu_seqlens is not None:  # this span's chunks of the masks over the whole (padded) sequence
+        n0, N = t0 // C, T_pad // C
+        doc, cont, last, carry = (m[n0:n0 + N] for m in _doc_masks(cu_seqlens, n0 * C + T_pad, C))
+        masks = (doc.expand(q.shape[0], q.shape[2], N, C, 1), cont, last, carry)
+    return (_to_chunks(q, T_pad, C) * scale, _to_chunks(k, T_pad, C), _to_chunks(v, T_pad, C),
+            G if g.dim() == 4 else G[..., None], _to_chunks(beta, T_pad, C)[..., None], masks)
+
+
 def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                      cu_seqlens=None):
-    """Chunked gated delta rule (see the module docstring for the math).
+    """Chunked gated delta rule (see the module docstring for the math), with a hand-written backward.
 
     q, k [B,T,H,K]  v [B,T,H,V]  g [B,T,H,K] (per channel) or [B,T,H] (per head), g <= 0
     beta [B,T,H] in (0,1)  initial_state [B,H,K,V] (float32) or None.
     cu_seqlens: int64 [n_docs + 1] packed documents (B == 1, checked by the caller), or None.
     Returns (o [B,T,H,V] in q's dtype, final_state [B,H,K,V] float32 or None).
+    Computes in float32 (float64 for float64 inputs).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -140,44 +344,10 @@ def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output
                          f"beta{tuple(beta.shape)} do not match")
     if g.shape not in (q.shape, q.shape[:3]):
         raise ValueError(f"delta_rule: g must be [B,T,H,K] or [B,T,H], got {tuple(g.shape)}")
-    per_channel = g.dim() == 4
-    in_dtype = q.dtype
     scale = K ** -0.5 if scale is None else scale
-    C = CHUNK
-    N = -(-T // C)                                                # number of chunks
-    T_pad = N * C                                                 # padded steps: g=0, beta=0, k=0
-
-    q = _to_chunks(q, T_pad, C) * scale                           # [B,H,N,C,K]
-    k = _to_chunks(k, T_pad, C)                                   # [B,H,N,C,K]
-    v = _to_chunks(v, T_pad, C)                                   # [B,H,N,C,V]
-    beta = _to_chunks(beta, T_pad, C)[..., None]                  # [B,H,N,C,1]
-    G = _to_chunks(g, T_pad, C).cumsum(3)                         # [B,H,N,C,K] or [B,H,N,C]
-    if not per_channel:
-        G = G[..., None]                                          # [B,H,N,C,1], broadcasts over K
-
-    # state-independent, all chunks at once
-    doc, cont, last, carry = (None, 1.0, 1.0, 1.0) if cu_seqlens is None else _doc_masks(cu_seqlens, T_pad, C)
-    doc = None if doc is None else doc.expand(B, H, N, C, 1)
-    P, T_inv = _chunk_matrices(q, k, G, beta, doc)                # [B,H,N,C,C] each
-    decay_from_start = torch.exp(G) * cont                        # [B,H,N,C,K or 1]: 0 after a boundary
-    WU = T_inv @ torch.cat([beta * k * decay_from_start, beta * v], dim=-1)   # [B,H,N,C,K+V]
-    W, U = WU[..., :K], WU[..., K:]                               # [B,H,N,C,K], [B,H,N,C,V]
-    q_decayed = q * decay_from_start                              # [B,H,N,C,K]: q_i decayed from the chunk start
-    G_last = G[..., C - 1:, :]                                    # [B,H,N,1,K or 1]
-    k_to_end_t = (k * torch.exp(G_last - G) * last).transpose(-1, -2)  # [B,H,N,K,C]: k_j decayed to the chunk end
-    state_decay = (torch.exp(G_last) * carry).transpose(-1, -2)   # [B,H,N,K or 1,1]
-
-    # the recurrence over chunks: only S is carried
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
-    outs = []
-    # unbind, not U[:, :, n]: the backward of each index op would zero-fill a full-size gradient
-    per_chunk = zip(*(x.unbind(2) for x in (U, W, q_decayed, P, state_decay, k_to_end_t)))
-    for U_n, W_n, q_n, P_n, decay_n, k_to_end_n in per_chunk:
-        u = U_n - W_n @ S                                         # [B,H,C,V]: what each step writes
-        outs.append(q_n @ S + P_n @ u)                            # [B,H,C,V]
-        S = S * decay_n + k_to_end_n @ u                          # [B,H,K,V]
-    o = _from_chunks(torch.stack(outs, dim=2), T)                 # [B,T,H,V]
-    return o.to(in_dtype), (S if output_final_state else None)
+    S0 = initial_state.to(_compute_dtype(q)) if initial_state is not None else None
+    o, S = _ChunkedDeltaRule.apply(q, k, v, g, beta, S0, scale, cu_seqlens)
+    return o, (S if output_final_state else None)
 
 
 def delta_rule_step_torch(q, k, v, g, beta, state, *, scale=None):

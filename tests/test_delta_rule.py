@@ -231,3 +231,51 @@ def test_non_contiguous_inputs():
     o1, S1 = delta_rule_torch(*views, initial_state=S0, output_final_state=True)
     o2, S2 = delta_rule_torch(q, k, v, g, beta, initial_state=S0, output_final_state=True)
     assert torch.equal(o1, o2) and torch.equal(S1, S2)
+
+
+def strong_decay(g, per_channel, T):
+    """Log decays of -20 per step on some channels (or steps), the drawn ones elsewhere. Not on step 0
+    of a per-head gate: at T=1 the whole gradient of g would then be exp(-20)-small, a sum of O(1) terms
+    that cancel, and no float arithmetic (autograd's included) gets its relative error below 1e-5."""
+    if per_channel:
+        return torch.where(torch.arange(g.shape[-1]) % 3 == 0, -20.0, g)
+    return torch.where(torch.arange(T)[None, :, None] % 5 == 1, -20.0, g)
+
+
+@pytest.mark.parametrize("T, cu_seqlens", [(1, None), (63, None), (64, None), (65, None), (200, None),
+                                           (300, [0, 1, 3, 66, 130, 131, 300])], ids=str)
+@pytest.mark.parametrize("per_channel", [True, False], ids=["kda", "gdn"])
+def test_hand_backward_equals_autograd(T, cu_seqlens, per_channel):
+    """The hand-written backward (_ChunkedDeltaRule) equals autograd through the same chunked forward
+    math (_chunk_forward), for every input, with an initial state and strong decay; in float64 (the
+    math exactly) and in float32 (the op as it runs, against autograd in float32: both carry the same
+    float32 rounding, up to 2e-5 from the float64 loop here for a per-head gate). Packed documents:
+    boundaries inside chunks and across the GROUP spans the backward walks."""
+    from kernels.torch_delta_rule import _chunk_forward, _chunked_inputs, _from_chunks
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
+    q, k, v, g, beta, S0 = make_inputs(T, per_channel, True)
+    raw = (q, k, v, strong_decay(g, per_channel, T), beta, S0)
+    scale = K ** -0.5
+
+    def by_autograd(q, k, v, g, beta, S0):
+        *chunked, masks = _chunked_inputs(q, k, v, g, beta, scale, cu_seqlens=cu)
+        O, S = _chunk_forward(*chunked, S0, masks)
+        return _from_chunks(O, T), S[:, :, -1]
+
+    by_hand = lambda q, k, v, g, beta, S0: delta_rule_torch(q, k, v, g, beta, scale=scale, initial_state=S0,
+                                                           output_final_state=True, cu_seqlens=cu)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        _, _, grads_ref = run_and_grad(by_autograd, leaves(raw, dtype), T)
+        _, _, grads = run_and_grad(by_hand, leaves(raw, dtype), T)
+        for name, gr, gr_ref in zip(["q", "k", "v", "g", "beta", "S0"], grads, grads_ref):
+            assert gr.dtype == dtype and rel_err(gr, gr_ref) <= tol, (name, dtype, rel_err(gr, gr_ref))
+
+
+def test_hand_backward_saves_inputs_and_states():
+    """What the op keeps for backward: its inputs and the N+1 chunk states, nothing else."""
+    T = 1024
+    q, k, v, g, beta, _ = make_inputs(T, True, False, b=1, h=2, kd=32, vd=32)
+    x = leaves((q, k, v, g, beta), torch.float32)
+    nbytes, (o, _) = saved_bytes(lambda: delta_rule_torch(*x))
+    states = 1 * 2 * (T // 64 + 1) * 32 * 32 * 4
+    assert nbytes == sum(t.nbytes for t in x) + states, nbytes

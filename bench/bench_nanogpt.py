@@ -1,0 +1,150 @@
+"""Training throughput of hybrid's models against a nanoGPT-style baseline, side by side in one process.
+
+The baseline (NanoGPT below) is written here from nanoGPT's public description: learned position
+embeddings, pre-LayerNorm blocks, one fused q|k|v projection, causal SDPA, a 4x GELU MLP, tied
+embedding/head, cross-entropy on the logits, AdamW (betas 0.9/0.95, weight decay on matrices only).
+Both models see the same batch shape and vocabulary, train in fp32 with the same learning rate, and
+their steps (forward + backward + optimizer step) are interleaved: repeat r times model A, model B, ...
+so a noisy machine slows them alike. Printed: tokens/s (median over repeats) and the ratio to the baseline.
+
+    python bench/bench_nanogpt.py                                  # dense attention vs the baseline
+    python bench/bench_nanogpt.py --kinds attn kda gdn mla --threads 1
+    python bench/bench_nanogpt.py --steps 2 --repeat 1 --T 32 --B 2   # a quick smoke run
+"""
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from model import GPT, ModelConfig  # noqa: E402
+from train import make_optimizer  # noqa: E402
+from config import TrainConfig  # noqa: E402
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, d, n_heads):
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)                            # q, k, v in one matmul
+        self.proj = nn.Linear(d, d)
+        self.fc, self.fc_out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):                                         # x [B, T, d]
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        heads = lambda t: t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)  # [B, H, T, D]
+        y = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, d))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class NanoGPT(nn.Module):
+    """The baseline: token + learned position embeddings, n pre-LN blocks, final LayerNorm, tied head."""
+
+    def __init__(self, vocab, d, n_layer, n_heads, max_len):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(NanoBlock(d, n_heads) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def nano_optimizer(model, lr):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def hybrid_config(kind, args):
+    """A one-kind hybrid model at the benchmark shape (MHA attention with RoPE for `attn`)."""
+    H, D = args.heads, args.d // args.heads
+    mixers = {"attn": {"kind": "attn", "n_heads": H},
+              "kda": {"kind": "kda", "n_heads": H, "head_dim": D},
+              "gdn": {"kind": "gdn", "n_heads": H, "head_dim": D},
+              "linear": {"kind": "linear", "n_heads": H, "head_dim": D},
+              "mla": {"kind": "mla", "n_heads": H, "kv_lora_rank": D, "qk_nope_dim": D // 2,
+                      "qk_rope_dim": D // 2, "v_head_dim": D}}
+    if kind not in mixers:
+        sys.exit(f"bench_nanogpt: --kinds: unknown kind {kind!r}; allowed: {', '.join(mixers)}")
+    return ModelConfig.from_dict({"vocab_size": args.vocab, "d_model": args.d, "n_layer": args.layers,
+                                  "pattern": [kind], "layers": {kind: mixers[kind]}})
+
+
+def train_step(model, opt, x, y):
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kinds", nargs="+", default=["attn"], help="hybrid mixer kinds (one model each)")
+    p.add_argument("--d", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--T", type=int, default=256)
+    p.add_argument("--B", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=257)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
+    p.add_argument("--repeat", type=int, default=5, help="interleaved repeats (median reported)")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    lr = 1e-3
+    models = {"nanogpt": NanoGPT(args.vocab, args.d, args.layers, args.heads, args.T)}
+    opts = {"nanogpt": nano_optimizer(models["nanogpt"], lr)}
+    for kind in args.kinds:
+        models[kind] = GPT(hybrid_config(kind, args))
+        opts[kind] = make_optimizer(models[kind], TrainConfig(lr=lr))
+    x = torch.randint(0, args.vocab, (args.B, args.T))
+    y = torch.roll(x, -1, dims=1)
+    for name in models:                                           # warm-up
+        train_step(models[name], opts[name], x, y)
+    rates = {name: [] for name in models}
+    for _ in range(args.repeat):
+        for name in models:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                train_step(models[name], opts[name], x, y)
+            rates[name].append(args.steps * args.B * args.T / (time.perf_counter() - t0))
+    print(f"training tokens/s, d={args.d} layers={args.layers} heads={args.heads} T={args.T} B={args.B} "
+          f"vocab={args.vocab} fp32, threads={torch.get_num_threads()}, median of {args.repeat} interleaved "
+          f"repeats of {args.steps} steps")
+    base = statistics.median(rates["nanogpt"])
+    for name, r in rates.items():
+        params = sum(q.numel() for q in models[name].parameters()) / 1e6
+        print(f"{name:>8}: {statistics.median(r):9,.0f} tok/s  {statistics.median(r) / base:5.2f}x nanogpt  "
+              f"({params:.2f}M params)", flush=True)
+    return {name: statistics.median(r) for name, r in rates.items()}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""One run for the first GPU: kernel correctness, kernel speed, and a ~125M-parameter training run,
+all written to one JSON file. bench/gpu_check.sh calls it; see there.
+
+    python bench/gpu_check.py --out gpu_check.json             # on a CUDA GPU (under ~8 minutes)
+    python bench/gpu_check.py --dry-run --out /tmp/check.json  # CPU: tiny shapes, Triton interpreter
+
+Sections (each recorded in the JSON, in this order):
+  checks  every Triton op against its torch path on the same device, fp32 and bf16 (fp16 in --dry-run:
+          the interpreter has no bf16 arithmetic), forward AND the
+          gradients of every input: attention (causal, GQA, window, sinks), delta_rule (per-channel
+          and per-head gate, initial state, final state), delta_rule_step. Error = max |a - b| /
+          max |b|; limits: fp32 2e-3 (Triton's fp32 dots use TF32 on GPU), bf16 3e-2.
+  kernels forward+backward ms: attention (triton, SDPA flash backend, flash_attn if installed) and
+          the delta rule (triton, torch, flash-linear-attention if installed). Not in --dry-run.
+  train   steps of a 3 KDA : 1 MLA model (d=768, 12 layers, ~125M parameters; tiny in --dry-run),
+          bf16 autocast on CUDA, fused AdamW; tokens/s over the steps after warm-up and MFU
+          (cost.py's FLOPs per token over the device's dense bf16 peak).
+Exit status: 0 when every check passes; 1 when a kernel is wrong (the JSON still says which), 2
+without CUDA and without --dry-run.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+LIMITS = {"float32": 2e-3, "bfloat16": 3e-2, "float16": 3e-2}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default="gpu_check.json", help="the JSON file to write")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU, tiny shapes, Triton under the interpreter: checks the driver, not the GPU")
+    p.add_argument("--train-steps", type=int, default=50)
+    p.add_argument("--skip", nargs="*", default=[], choices=["checks", "kernels", "train"])
+    return p.parse_args(argv)
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def compare(name, fn, inputs, dtype, limit, grad=True):
+    """Run fn(*inputs, backend) for triton and torch; compare the outputs and (grad) every input gradient."""
+    import torch
+    results = {}
+    for backend in ("triton", "torch"):
+        leaves = [x.detach().clone().requires_grad_(grad and x.is_floating_point()) for x in inputs]
+        out = fn(*leaves, backend=backend)
+        outs = out if isinstance(out, tuple) else (out,)
+        outs = [o for o in outs if o is not None]
+        gen = torch.Generator(device=outs[0].device).manual_seed(1)
+        loss = sum((o.float() * torch.randn(o.shape, generator=gen, device=o.device)).sum() for o in outs)
+        diff = [x for x in leaves if x.requires_grad]
+        grads = torch.autograd.grad(loss, diff, allow_unused=True) if loss.requires_grad else []
+        results[backend] = list(outs) + [g for g in grads if g is not None]
+    errs = [rel_err(a, b) for a, b in zip(results["triton"], results["torch"])]
+    worst = max(errs) if errs else float("nan")
+    ok = len(results["triton"]) == len(results["torch"]) and math.isfinite(worst) and worst <= limit
+    return {"name": name, "dtype": str(dtype).replace("torch.", ""), "max_rel_err": worst, "limit": limit,
+            "ok": ok}
+
+
+def run_checks(device, dry):
+    import torch
+    import torch.nn.functional as F
+    import kernels
+    torch.manual_seed(0)
+    B, H, T, D = (1, 2, 24, 16) if dry else (2, 4, 300, 64)
+    rows = []
+    for dtype in (torch.float32, torch.float16 if dry else torch.bfloat16):  # the interpreter has no bf16
+        limit = LIMITS[str(dtype).replace("torch.", "")]
+        r = lambda *s: torch.randn(*s, device=device).to(dtype)
+        for name, Hkv, window, sinks in (("attention causal", H, None, False), ("attention gqa", 1, None, False),
+                                         ("attention window", H, 16, False), ("attention sinks", H, 16, True)):
+            inputs = [r(B, T, H, D), r(B, T, Hkv, D), r(B, T, Hkv, D)]
+            sink = torch.randn(H, device=device) if sinks else None
+            fn = lambda q, k, v, backend: kernels.attention(q, k, v, window=window, sinks=sink, backend=backend)
+            rows.append(compare(name, fn, inputs, dtype, limit))
+        for per_channel in (True, False):
+            q, k = (F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).to(dtype) for _ in range(2))
+            g = -F.softplus(torch.randn((B, T, H, D) if per_channel else (B, T, H), device=device))
+            beta = torch.sigmoid(torch.randn(B, T, H, device=device)).to(dtype)
+            S0 = torch.randn(B, H, D, D, device=device)
+            fn = lambda q, k, v, g, beta, S0, backend: kernels.delta_rule(
+                q, k, v, g, beta, initial_state=S0, output_final_state=True, backend=backend)
+            kind = "kda" if per_channel else "gdn"
+            rows.append(compare(f"delta_rule {kind}", fn, [q, k, r(B, T, H, D), g, beta, S0], dtype, limit))
+            step = lambda q, k, v, g, beta, S0, backend: (kernels.delta_rule_step(
+                q, k, v, g, beta, S := S0.detach().clone(), backend=backend), S)
+            rows.append(compare(f"delta_rule_step {kind}", step, [x[:, 0] for x in (q, k, r(B, T, H, D), g, beta)]
+                                + [S0], dtype, limit, grad=False))   # decode: in place, no autograd
+    for row in rows:
+        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {row['name']:<24} {row['dtype']:<9} "
+              f"max rel err {row['max_rel_err']:.2e} (limit {row['limit']:.0e})", flush=True)
+    return rows
+
+
+def time_ms(fn, inputs):
+    import torch
+    from triton.testing import do_bench
+
+    def run():
+        out = fn(*inputs)
+        out = out[0] if isinstance(out, tuple) else out
+        torch.autograd.grad(out.float().sum(), [x for x in inputs if x.requires_grad])
+    return do_bench(run, warmup=5, rep=40)
+
+
+def run_kernels(device):
+    """Forward+backward ms of the Triton kernels and their baselines, bf16."""
+    import torch
+    import torch.nn.functional as F
+    import kernels
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    rows = []
+    B, H, D = 4, 16, 128
+    for T in (2048, 8192):
+        x = lambda: torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+        q, k, v = x(), x(), x()
+        row = {"op": "attention causal", "B": B, "T": T, "H": H, "D": D,
+               "triton_ms": time_ms(lambda q, k, v: kernels.attention(q, k, v, backend="triton"), [q, k, v])}
+
+        def sdpa(q, k, v):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      is_causal=True)
+        row["sdpa_flash_ms"] = time_ms(sdpa, [q, k, v])
+        try:
+            from flash_attn import flash_attn_func
+            row["flash_attn_ms"] = time_ms(lambda q, k, v: flash_attn_func(q, k, v, causal=True), [q, k, v])
+        except ImportError:
+            row["flash_attn_ms"] = "not installed"
+        rows.append(row)
+    for T in (2048, 8192):
+        q, k = (F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).to(torch.bfloat16).requires_grad_()
+                for _ in range(2))
+        v = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+        g = (-F.softplus(torch.randn(B, T, H, D, device=device)) * 0.1).requires_grad_()
+        beta = torch.rand(B, T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+        inputs = [q, k, v, g, beta]
+        row = {"op": "delta_rule kda", "B": B, "T": T, "H": H, "D": D}
+        for backend in ("triton", "torch"):
+            fn = lambda *a, backend=backend: kernels.delta_rule(*a, backend=backend)[0]
+            row[f"{backend}_ms"] = time_ms(fn, inputs) if backend == "triton" or T <= 2048 else "skipped (slow)"
+        try:
+            from fla.ops.kda import chunk_kda
+            row["fla_ms"] = time_ms(lambda q, k, v, g, beta: chunk_kda(q, k, v, g, beta)[0], inputs)
+        except ImportError:
+            row["fla_ms"] = "not installed"
+        rows.append(row)
+    for row in rows:
+        print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+    return rows
+
+
+def train_model_config(dry):
+    """3 KDA : 1 MLA. d=768, 12 layers, vocab 32768: about 125M parameters (tiny in --dry-run)."""
+    from model import ModelConfig
+    d, n_layer, heads, vocab = (64, 4, 2, 257) if dry else (768, 12, 12, 32768)
+    hd = d // heads
+    return ModelConfig.from_dict({
+        "vocab_size": vocab, "d_model": d, "n_layer": n_layer, "pattern": ["kda", "kda", "kda", "mla"],
+        "layers": {"kda": {"kind": "kda", "n_heads": heads, "head_dim": hd},
+                   "mla": {"kind": "mla", "n_heads": heads, "q_lora_rank": d // 2, "kv_lora_rank": d // 3 // 16 * 16,
+                           "qk_nope_dim": hd, "qk_rope_dim": hd // 2, "v_head_dim": hd}}})
+
+
+def run_train(device, dry, steps):
+    import torch
+    import cost
+    from model import GPT
+    mcfg = train_model_config(dry)
+    B, T = (2, 64) if dry else (8, 2048)
+    torch.manual_seed(0)
+    model = GPT(mcfg).to(device)
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    x = torch.randint(0, mcfg.vocab_size, (B, T + 1), device=device)
+    warmup = min(5, max(steps - 1, 0))
+    losses, t0 = [], None
+    for i in range(steps):
+        if i == warmup:
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    if cuda:
+        torch.cuda.synchronize()
+    timed = steps - warmup
+    tok_s = timed * B * T / (time.perf_counter() - t0) if timed > 0 else float("nan")
+    flops = cost.train_flops_per_token(mcfg, T)
+    peak = cost.peak_flops(device)
+    mfu = cost.mfu(flops, tok_s, 1, peak)
+    row = {"params": model.num_params(), "B": B, "T": T, "steps": steps, "timed_steps": timed,
+           "tokens_per_s": tok_s, "train_flops_per_token": flops, "peak_flops": peak, "mfu": mfu,
+           "first_loss": losses[0], "last_loss": losses[-1], "finite": all(math.isfinite(v) for v in losses),
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    print(f"  {row['params'] / 1e6:.1f}M params, B={B} T={T}: {tok_s:,.0f} tokens/s, MFU "
+          f"{'n/a' if mfu is None else f'{mfu:.1%}'}, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+    return row
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")          # before triton is first imported
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; run on a GPU, or pass --dry-run to check the driver on CPU")
+        return 2
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    report = {"device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(),
+              "torch": torch.__version__, "dry_run": args.dry_run}
+    try:
+        import triton
+        report["triton"] = triton.__version__
+    except ImportError:
+        report["triton"] = None
+    t_start = time.perf_counter()
+    failed = []
+    if "checks" not in args.skip:
+        print("checks: Triton ops vs torch paths", flush=True)
+        report["checks"] = run_checks(device, args.dry_run)
+        failed = [f"{r['name']} {r['dtype']}" for r in report["checks"] if not r["ok"]]
+    if "kernels" not in args.skip and not args.dry_run:
+        print("kernels: forward+backward ms (bf16)", flush=True)
+        report["kernels"] = run_kernels(device)
+    if "train" not in args.skip:
+        print("train: 3 KDA : 1 MLA", flush=True)
+        report["train"] = run_train(device, args.dry_run, 3 if args.dry_run else args.train_steps)
+        if not report["train"]["finite"]:
+            failed.append("train: non-finite loss")
+    report["failed"] = failed
+    report["ok"] = not failed
+    report["wall_s"] = time.perf_counter() - t_start
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out} in {report['wall_s']:.0f} s: " + ("all checks passed" if not failed else
+                                                              "FAILED: " + "; ".join(failed)))
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The bench/ drivers run end to end on tiny shapes (their figures are printed, not asserted)."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+import bench_nanogpt  # noqa: E402
+
+
+def test_nanogpt_baseline_learns_and_bench_reports_every_kind():
+    torch.manual_seed(0)
+    model = bench_nanogpt.NanoGPT(vocab=17, d=32, n_layer=1, n_heads=2, max_len=16)
+    opt = bench_nanogpt.nano_optimizer(model, 1e-2)
+    x = torch.randint(0, 17, (4, 16))
+    losses = [bench_nanogpt.train_step(model, opt, x, x.roll(-1, 1)) for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0]
+    rates = bench_nanogpt.main(["--kinds", "attn", "kda", "--d", "32", "--heads", "2", "--layers", "1",
+                                "--T", "16", "--B", "2", "--steps", "1", "--repeat", "1", "--vocab", "17"])
+    assert set(rates) == {"nanogpt", "attn", "kda"} and all(r > 0 for r in rates.values())
+
+
+def run_gpu_check(tmp_path, *args):
+    import json
+    import gpu_check
+    out = tmp_path / "check.json"
+    rc = gpu_check.main(["--dry-run", "--out", str(out), *args])
+    return rc, json.loads(out.read_text())
+
+
+def test_gpu_check_fails_loudly_on_a_wrong_kernel(tmp_path, monkeypatch):
+    """A Triton op that disagrees with its torch path: exit status 1 and the JSON names it. (The
+    Triton functions are replaced by torch ones here, one of them wrong, so no interpreter runs.)"""
+    import kernels.triton_attention as ta
+    import kernels.triton_delta_rule as td
+    from kernels.torch_attention import attention_torch
+    from kernels.torch_delta_rule import delta_rule_step_torch, delta_rule_torch
+    monkeypatch.setattr(ta, "attention_triton", lambda q, k, v, **kw: attention_torch(q, k, v, **kw) * 1.1)
+    monkeypatch.setattr(td, "delta_rule_triton", delta_rule_torch)
+    monkeypatch.setattr(td, "delta_rule_step_triton", delta_rule_step_torch)
+    rc, report = run_gpu_check(tmp_path)
+    assert rc == 1 and report["ok"] is False
+    assert all(r["ok"] == r["name"].startswith("delta_rule") for r in report["checks"])
+    assert "attention causal float32" in report["failed"] and len(report["failed"]) == 8
+    assert report["train"]["finite"] and report["train"]["params"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_passes(tmp_path):
+    """The whole driver on CPU under the Triton interpreter (about 2 minutes on 1 thread)."""
+    rc, report = run_gpu_check(tmp_path)
+    assert rc == 0 and report["ok"] and len(report["checks"]) == 16
