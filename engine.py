@@ -71,7 +71,7 @@ class BlockPool:
         self.ref = [0] * n_blocks
         self.free = list(range(n_blocks - 1, -1, -1))
         self.prefix, self.key = {}, {}
-        self.peak = 0
+        self.peak = self.allocs = self.shares = self.copies = 0   # counters for reports and tests
 
     def used(self):
         return self.n_blocks - len(self.free)
@@ -80,12 +80,12 @@ class BlockPool:
         if not self.free:
             raise EngineError(f"the block pool ({self.n_blocks} blocks) is exhausted")
         b = self.free.pop()
-        self.ref[b] = 1
+        self.ref[b], self.allocs = 1, self.allocs + 1
         self.peak = max(self.peak, self.used())
         return b
 
     def share(self, b):
-        self.ref[b] += 1
+        self.ref[b], self.shares = self.ref[b] + 1, self.shares + 1
 
     def release(self, b):
         self.ref[b] -= 1
@@ -326,7 +326,7 @@ class Engine:
                 if j == len(table):
                     table.append(g.pool.alloc())
                 elif g.pool.ref[table[j]] > 1 and min(r.n_done + T, (j + 1) * self.bs) > r.n_shared:
-                    new = g.pool.alloc()
+                    new, g.pool.copies = g.pool.alloc(), g.pool.copies + 1
                     for store in g.store.values():
                         for t in store.values():
                             t[new] = t[table[j]]
