@@ -154,10 +154,12 @@ class PagedView:
 
     def attend(self, mixer, q, k, v):
         """Attention: q [B,T,Hq,D] (roped), new k, v [B,T,Hkv,D] -> o [B,T,Hq,D]."""
-        if self.policy is not None:
-            return self.policy.attend(mixer, q, k, v)
         self.write("k", k)
         self.write("v", v)
+        if self.policy is not None:  # quest / offload: page bounds; a decode step reads the top pages
+            self.policy.note_keys(self, k)
+            if q.shape[1] == 1:
+                return self.policy.read(self, mixer, q, "k", None)
         return kernels.paged_attention(q, self.store["k"], self.store["v"], self.batch.table, self.batch.seq_lens,
                                        window=mixer.cfg.window, sinks=mixer.sinks, backend=mixer.backend)
 
@@ -165,6 +167,10 @@ class PagedView:
         """MLA absorbed: q_lat [B,T,H,d_c+d_rope], new rows latent [B,T,d_c+d_rope] (+ DSA iq, iw, ik)."""
         d_c = mixer.cfg.kv_lora_rank
         self.write("kv", latent[:, :, None])
+        if self.policy is not None:
+            self.policy.note_keys(self, latent[:, :, None])
+            if q_lat.shape[1] == 1:
+                return self.policy.read(self, mixer, q_lat, "kv", d_c)
         if iq is None:  # dense: MQA over the latent rows, values = their c_kv part
             kv = self.store["kv"]
             return kernels.paged_attention(q_lat, kv, kv[..., :d_c], self.batch.table, self.batch.seq_lens,
@@ -213,7 +219,14 @@ class Engine:
         self.num_blocks, self.max_len, self.prefix_sharing, self.keep_logits = num_blocks, max_len, prefix_sharing, keep_logits
         self.kv_policy, self.kv_budget = kv_policy, kv_budget
         self.generator = torch.Generator(device=model.wte.weight.device).manual_seed(seed)
-        self.groups, self.group_of, self.delta = {}, {}, []
+        self.policy = None
+        if kv_policy != "full":
+            from kv_policies import make_policy
+            try:
+                self.policy = make_policy(kv_policy, kv_budget, self)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+        self.groups, self.group_of, self.delta, self.evicting = {}, {}, [], set()
         for i, block in enumerate(model.blocks):
             m = block.mixer
             kind = getattr(m.cfg, "kind", type(m).__name__)
@@ -222,14 +235,12 @@ class Engine:
                                   f"(supported: {', '.join(SUPPORTED)})")
             if isinstance(m, DeltaNet):
                 self.delta.append(i)
-                continue
-            window = m.cfg.window if isinstance(m, Attention) else None
-            self.groups.setdefault(window, Group(window)).layers.append(i)
-            self.group_of[i] = window
-        self.policy = None
-        if kv_policy != "full":
-            from kv_policies import make_policy
-            self.policy = make_policy(kv_policy, kv_budget, self)
+            elif self.policy is not None and self.policy.bounded and self.policy.applies(i):
+                self.evicting.add(i)                 # kept keys live in the policy's own rows
+            else:
+                window = m.cfg.window if isinstance(m, Attention) else None
+                self.groups.setdefault(window, Group(window)).layers.append(i)
+                self.group_of[i] = window
         # compute can skip a shared prefix only when every layer reads it from shared blocks
         self.skip_shared = not self.delta and list(self.groups) == [None] and self.policy is None
 
@@ -259,13 +270,20 @@ class Engine:
             g.pool = BlockPool(n, self.bs)
             for i in g.layers:
                 m = self.model.blocks[i].mixer
+                paged = self.policy.storage if self.policy is not None and self.policy.applies(i) else None
+                new = (lambda shape, name: p.new_zeros(shape)) if paged is None else \
+                    (lambda shape, name: paged(shape, p.dtype, f"layer{i}_{name}"))
                 if isinstance(m, Attention):
                     shape = (n, self.bs, m.cfg.n_kv_heads, m.cfg.head_dim)
-                    g.store[i] = {"k": p.new_zeros(shape), "v": p.new_zeros(shape)}
+                    g.store[i] = {"k": new(shape, "k"), "v": new(shape, "v")}
                 else:
-                    g.store[i] = {"kv": p.new_zeros(n, self.bs, 1, m.cfg.kv_lora_rank + m.cfg.rope_dim)}
+                    g.store[i] = {"kv": new((n, self.bs, 1, m.cfg.kv_lora_rank + m.cfg.rope_dim), "kv")}
                     if m.indexer is not None:
                         g.store[i]["ik"] = p.new_zeros(n, self.bs, 1, m.cfg.dsa.head_dim)
+                if paged is not None:  # quest / offload: per-page min / max keys, in fast memory
+                    key = g.store[i]["k" if isinstance(m, Attention) else "kv"]
+                    g.store[i]["kmin"] = p.new_zeros(n, *key.shape[2:])
+                    g.store[i]["kmax"] = p.new_zeros(n, *key.shape[2:])
         self.slot_store = {}
         for i in self.delta:
             c = self.model.blocks[i].mixer.new_cache(self.max_batch, 1, p.device, p.dtype)
@@ -363,9 +381,11 @@ class Engine:
         for i in range(len(model.blocks)):
             if i in self.slot_store:
                 views.append(SlotView(self.slot_store[i], slots))
+            elif i in self.evicting:
+                views.append(self.policy.view(i, reqs, T))
             else:
                 g = self.group_of[i]
-                policy = None if self.policy is None or not self.policy.applies(i) else self.policy.view(i, reqs, T)
+                policy = self.policy if self.policy is not None and self.policy.applies(i) else None
                 views.append(PagedView(self.groups[g].store[i], batches[g], policy))
         pos = torch.tensor([r.n_done for r in reqs])
         x = model.wte(idx)
@@ -440,7 +460,8 @@ class Engine:
                 for key, g in self.groups.items()}
 
     def peak_cache_bytes(self):
-        """Peak bytes of blocks in use plus the delta-rule slots of max_batch requests."""
+        """Peak bytes of blocks in use (+ evicting policies' kept rows) plus the delta-rule slots."""
         per = self.block_bytes()
         paged = sum(g.pool.peak * per[key] for key, g in self.groups.items())
+        paged += getattr(self.policy, "peak_bytes", 0)
         return paged + sum(t.numel() * t.element_size() for s in self.slot_store.values() for t in s.values())
