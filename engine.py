@@ -42,6 +42,7 @@ class Request:
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     rid: object = None                  # a name for messages (the CLI uses the line number)
+    force: Optional[list] = None        # teacher forcing (evals): emit these tokens instead of sampling
     # filled in by the engine
     out: list = field(default_factory=list)       # generated ids
     logits: list = field(default_factory=list)    # [vocab] per generated token (keep_logits=True)
@@ -402,6 +403,9 @@ class Engine:
         """Sample r's next token from logits [vocab]."""
         if self.keep_logits:
             r.logits.append(logits.float().cpu())
+        if r.force is not None:
+            r.out.append(r.force[len(r.out)])
+            return
         token = sample_token(logits[None], r.temperature, r.top_k, r.top_p, self.generator)
         r.out.append(int(token[0]))
 

@@ -65,3 +65,24 @@ def test_bad_budget():
         Engine(model, kv_policy="h2o")
     with pytest.raises(EngineError, match="kv_policy must be one of"):
         Engine(model, kv_policy="lru")
+
+
+def test_selection_errors_vanish_when_everything_is_read():
+    import evals
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 40, 4, 8, generator=g), torch.randn(1, 40, 2, 8, generator=g), torch.randn(1, 40, 2, 8, generator=g)
+    errs = evals.attention_selection_errors(q, k, v, 8 ** -0.5, torch.randn(4, generator=g), 48, page=4, n_last=16)
+    assert max(errs.values()) < 1e-6
+    errs = evals.attention_selection_errors(q, k, v, 8 ** -0.5, None, 8, page=4, n_last=16)
+    assert min(errs.values()) > 1e-3 and errs["exact_topk"] <= errs["sinks+window"]
+
+
+def test_kv_policies_eval_on_mqar():
+    import evals
+    from tests.test_evals import GLOBAL, make
+    model, cfg = make(["g", "g"], {"g": GLOBAL}, seq_len=24)
+    out = evals.eval_kv_policies(model, cfg, policies=("streaming", "quest"), budgets=(8, 48), n_seqs=2, block_size=4)
+    rows = {(r.get("policy"), r["budget"]): r for r in out["rows"]}
+    assert rows[("quest", 48)]["acc"] == rows[("streaming", 48)]["acc"] == out["acc_full"]  # nothing dropped
+    assert rows[(None, 48)]["err_quest"] < 1e-6 and rows[(None, 8)]["err_quest"] > 0
+    assert rows[("streaming", 8)]["cache_kB"] < out["cache_kB_full"]
