@@ -102,8 +102,8 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, window=None, si
                          f"v_pool{tuple(v_pool.shape)} block_table{tuple(block_table.shape)} do not match")
     if Hq % Hkv:
         raise ValueError(f"paged_attention: need Hq % Hkv == 0, got Hq={Hq} Hkv={Hkv}")
-    if _pick(backend, q) == "triton" and T == 1 and window is None:
+    if _pick(backend, q) == "triton" and T == 1:  # decode; chunks of a prefill take the torch path
         from .triton_paged import paged_decode_triton
-        return paged_decode_triton(q, k_pool, v_pool, block_table, seq_lens, sinks=sinks, scale=scale)
+        return paged_decode_triton(q, k_pool, v_pool, block_table, seq_lens, window=window, sinks=sinks, scale=scale)
     from .torch_paged import paged_attention_torch
     return paged_attention_torch(q, k_pool, v_pool, block_table, seq_lens, window=window, sinks=sinks, scale=scale)
