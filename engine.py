@@ -209,7 +209,7 @@ class SlotView:
 
 
 class Engine:
-    def __init__(self, model, max_batch=8, prefill_chunk=64, block_size=16, num_blocks=None, max_len=None,
+    def __init__(self, model, max_batch=8, prefill_chunk=256, block_size=16, num_blocks=None, max_len=None,
                  kv_policy="full", kv_budget=None, prefix_sharing=True, keep_logits=False, seed=0):
         for name, value in [("max_batch", max_batch), ("prefill_chunk", prefill_chunk), ("block_size", block_size)]:
             if not isinstance(value, int) or value < 1:

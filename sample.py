@@ -131,7 +131,7 @@ def add_serve_args(p):
                    "`max_new_tokens`); served together")
     g.add_argument("--output", help="JSON lines out: each input object plus `completion` (default: stdout)")
     g.add_argument("--max_batch", type=int, default=8, help="requests decoded together")
-    g.add_argument("--prefill_chunk", type=int, default=64, help="prompt tokens prefilled per engine step")
+    g.add_argument("--prefill_chunk", type=int, default=256, help="prompt tokens prefilled per engine step")
     g.add_argument("--block_size", type=int, default=16, help="tokens per cache block")
     g.add_argument("--kv_policy", default="full", help=f"global attention cache policy: {', '.join(KV_POLICIES)}")
     g.add_argument("--kv_budget", type=int, default=None, help="tokens kept / read per global layer (not for full)")

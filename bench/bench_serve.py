@@ -1,7 +1,7 @@
 """Serving throughput and cache memory: the engine (engine.py) against one-by-one `generate`.
 
-    python bench/bench_serve.py [--ckpt out/default] [--n_requests 64] [--max_batch 16] [--max_prompt 384]
-                                [--max_new 64] [--prefix 512] [--threads 1]
+    python bench/bench_serve.py [--ckpt out/default] [--n_requests 64] [--max_batch 16] [--max_prompt 256]
+                                [--max_new 128] [--prefix 512] [--threads 1]
 
 1. `--n_requests` requests with prompt lengths uniform in [8, max_prompt] and generation lengths
    uniform in [8, max_new] (seed 0), greedy: generated tokens per second of the engine (continuous
@@ -49,10 +49,10 @@ def main(argv=None):
     p.add_argument("--ckpt", default=None)
     p.add_argument("--n_requests", type=int, default=64)
     p.add_argument("--max_batch", type=int, default=16)
-    p.add_argument("--prefill_chunk", type=int, default=64)
+    p.add_argument("--prefill_chunk", type=int, default=256)
     p.add_argument("--block_size", type=int, default=16)
-    p.add_argument("--max_prompt", type=int, default=384)
-    p.add_argument("--max_new", type=int, default=64)
+    p.add_argument("--max_prompt", type=int, default=256)
+    p.add_argument("--max_new", type=int, default=128)
     p.add_argument("--prefix", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
