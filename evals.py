@@ -5,6 +5,7 @@
     python evals.py needle --ckpt out/x --factors 1,2,4   # a fact planted at a depth, asked at the end
     python evals.py length --ckpt out/x --factor 4        # loss by position up to 4x the training length
     python evals.py streaming --ckpt out/x --budget 64    # StreamingLLM eviction: full / window / sinks+window
+    python evals.py kv_policies --ckpt out/x --budgets 32,64   # the serving engine's KV policies vs full
     python evals.py --help ; python evals.py mqar --help
 
 Every eval is a function `eval_<name>(model, cfg, **options) -> dict`: the flat float entries are the
@@ -315,8 +316,128 @@ def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4):
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# KV policies of the serving engine (engine.py, kv_policies.py)
+
+
+class _Capture:
+    """A cache view for one global layer (the engine's hooks in model.py): records q, k, v of a whole
+    sequence and returns the full causal attention."""
+
+    def attend(self, mixer, q, k, v):
+        self.qkv = (q, k, v, mixer.cfg.head_dim ** -0.5, mixer.sinks)
+        return kernels.attention(q, k, v, sinks=mixer.sinks, backend=mixer.backend)
+
+    def attend_latent(self, mixer, q_lat, latent, iq, iw, ik):
+        rows = latent[:, :, None]
+        self.qkv = (q_lat, rows, rows[..., :mixer.cfg.kv_lora_rank], mixer.scale, None)
+        return kernels.attention(q_lat, rows, self.qkv[2], scale=mixer.scale, backend=mixer.backend)
+
+
+def attention_selection_errors(q, k, v, scale, sinks, budget, n_sinks=4, page=16, n_last=64):
+    """Relative error ||o - o_full|| / ||o_full|| of the last n_last queries when each reads only
+    `budget` keys (seed 004's comparison): sinks + recent window, Quest pages (top budget/page pages by
+    the upper bound from per-channel min / max keys, the query's own page always), exact top-k scores.
+    q [1,T,Hq,D] k [1,T,Hkv,D] v [1,T,Hkv,Dv] (one sequence, roped as the layer reads them)."""
+    T, Hq = q.shape[1], q.shape[2]
+    G, n_last = Hq // k.shape[2], min(n_last, T)
+    qf = q[0, T - n_last:].float().transpose(0, 1)                            # [Hq, n, D]
+    kf = k[0].float().repeat_interleave(G, 1).transpose(0, 1)                 # [Hq, T, D]
+    vf = v[0].float().repeat_interleave(G, 1).transpose(0, 1)
+    scores = qf @ kf.transpose(1, 2) * scale                                  # [Hq, n, T]
+    qpos = torch.arange(T - n_last, T)[:, None]
+    kpos = torch.arange(T)[None, :]
+    causal = kpos <= qpos                                                     # [n, T]
+
+    def read(keep):
+        s = scores.masked_fill(~(keep & causal), float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.float().view(Hq, 1, 1).expand(Hq, n_last, 1)], -1)
+        return s.softmax(-1)[..., :T] @ vf
+    full = read(torch.ones_like(causal))
+    window = (kpos < n_sinks) | (kpos > qpos - (budget - n_sinks))
+    n_pages = math.ceil(T / page)
+    kp = F.pad(kf, (0, 0, 0, n_pages * page - T), value=float("nan")).view(Hq, n_pages, page, -1)
+    kmin, kmax = kp.nan_to_num(float("inf")).amin(2), kp.nan_to_num(float("-inf")).amax(2)   # [Hq, pages, D]
+    ub = torch.maximum(qf[:, :, None] * kmin[:, None], qf[:, :, None] * kmax[:, None]).sum(-1)  # [Hq, n, pages]
+    pidx = torch.arange(n_pages)
+    ub = ub.masked_fill(pidx * page > qpos, float("-inf")).masked_fill(pidx == qpos // page, float("inf"))
+    top = ub.topk(min(max(1, budget // page), n_pages), -1).indices
+    quest = torch.zeros(Hq, n_last, n_pages, dtype=torch.bool).scatter(-1, top, True).repeat_interleave(page, -1)[..., :T]
+    best = scores.masked_fill(~causal, float("-inf")).topk(min(budget, T), -1).indices
+    topk = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, best, True)
+    ref = full.norm()
+    return {name: ((read(keep) - full).norm() / ref).item()
+            for name, keep in [("sinks+window", window), ("quest", quest), ("exact_topk", topk)]}
+
+
+def _policy_layers(model):
+    from kv_policies import applies_to
+    return [i for i, b in enumerate(model.blocks) if applies_to(b.mixer)]
+
+
+@torch.no_grad()
+def eval_kv_policies(model, cfg, policies=("streaming", "h2o", "snapkv", "quest", "offload"), budgets=(32, 64),
+                     factor=2, n_seqs=4, block_size=16):
+    """KV policies of the serving engine against the full cache, each at each budget.
+
+    Sequences of factor x the training length, the first half
+    (text) or the key-value pairs (MQAR) as the prompt, the rest teacher-forced through the engine;
+    perplexity (text) or accuracy (MQAR) of the forced part for the full cache and each policy x budget;
+    the relative error of the attention output of the global layers' last 64 queries when each reads
+    `budget` keys (sinks + window, Quest pages, exact top-k); KB of global-layer cache per sequence in
+    fast memory (offload: + the whole context on file)."""
+    from engine import Engine, Request
+    layers = _policy_layers(model)
+    if not layers:
+        raise ValueError("kv_policies: the model has no global attention layer (attn without window, dense mla)")
+    L = int(factor * cfg.train.seq_len)
+    if _is_text(cfg):
+        x, y = _text_batch(cfg, n_seqs, L, offset=777)
+        n_prompt = L // 2
+    else:
+        _, P, V = _mqar_args(cfg)
+        x, y, _ = mqar_batch(n_seqs, L, P, V, [23, 4 * 10 ** 9])
+        n_prompt = 2 * P
+    text = _is_text(cfg)
+
+    def score(policy, budget):
+        reqs = [Request(x[b, :n_prompt].tolist(), L - n_prompt, force=x[b, n_prompt:].tolist()) for b in range(n_seqs)]
+        Engine(model, max_batch=n_seqs, block_size=block_size, kv_policy=policy, kv_budget=budget,
+               keep_logits=True).run(reqs)
+        logits = torch.stack([torch.stack(r.logits) for r in reqs])               # [n, L - n_prompt, V]
+        target = y[:, n_prompt - 1:L - 1]
+        if text:
+            return math.exp(min(F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-1).item(), 50.0))
+        m = target >= 0
+        return (logits.argmax(-1)[m] == target[m]).float().mean().item()
+    metric = "ppl" if text else "acc"
+    key_bytes = per_token = 0  # over the global layers: one cached key, one cached token (key + value)
+    for i in layers:
+        m, es = model.blocks[i].mixer, model.wte.weight.element_size()
+        mla = hasattr(m.cfg, "kv_lora_rank")
+        key = (m.cfg.kv_lora_rank + m.cfg.rope_dim) if mla else m.cfg.n_kv_heads * m.cfg.head_dim
+        key_bytes, per_token = key_bytes + key * es, per_token + (1 if mla else 2) * key * es
+    captures = {i: _Capture() for i in layers}
+    h = model.wte(x[:1].to(_device(model)))
+    for i, block in enumerate(model.blocks):
+        h = block(h, captures.get(i), 0)
+    out = {f"{metric}_full": score("full", None), "cache_kB_full": L * per_token / 1e3, "rows": []}
+    for budget in budgets:
+        errs = [attention_selection_errors(*captures[i].qkv, budget, page=block_size) for i in layers]
+        row = {"budget": budget, **{f"err_{k}": sum(e[k] for e in errs) / len(errs) for k in errs[0]}}
+        out["rows"].append(row)
+        bounds = 2 * math.ceil(L / block_size) * key_bytes                   # quest's min / max keys
+        for policy in policies:
+            fast = {"quest": L * per_token + bounds, "offload": min(L, budget) * per_token + bounds}.get(
+                policy, min(L, budget) * per_token)                            # offload: selected pages in memory
+            out["rows"].append({"policy": policy, "budget": budget, metric: score(policy, budget),
+                                "cache_kB": fast / 1e3})
+    return out
+
+
 EVALS = {"val": eval_val, "mqar": eval_mqar, "needle": eval_needle, "length": eval_length,
-         "streaming": eval_streaming}
+         "streaming": eval_streaming, "kv_policies": eval_kv_policies}
 
 
 def _at_least(lo):

@@ -264,28 +264,31 @@ class RMSNorm(nn.Module):
 
 
 def rope_angles(positions, dim, theta):
-    """cos, sin [T, dim/2] for absolute `positions` [T] (half-split RoPE)."""
+    """cos, sin [..., T, dim/2] for absolute `positions` [..., T] (half-split RoPE)."""
     inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq  # [..., T, dim/2]
     return angles.cos(), angles.sin()
 
 
 def token_positions(x, pos, cache, cu_seqlens):
-    """Positions [T] of the tokens of x [B, T, ...]: pos .. pos+T-1; with packed documents
-    (cu_seqlens, parallel path only) every token's position inside its own document."""
+    """Positions of the tokens of x [B, T, ...]: pos .. pos+T-1 [T] for an int pos, [B, T] for a tensor
+    of per-row starts [B] (the serving engine decodes requests at different positions together); with
+    packed documents (cu_seqlens, parallel path only) every token's position inside its own document."""
     T = x.shape[1]
-    if cu_seqlens is None:
-        return torch.arange(pos, pos + T, device=x.device)
-    if cache is not None:
-        raise ValueError("cu_seqlens (packed documents) is for the parallel path only: call with cache=None")
-    return kernels.doc_positions(cu_seqlens, T)
+    if cu_seqlens is not None:
+        if cache is not None:
+            raise ValueError("cu_seqlens (packed documents) is for the parallel path only: call with cache=None")
+        return kernels.doc_positions(cu_seqlens, T)
+    if torch.is_tensor(pos):
+        return pos.to(x.device)[:, None] + torch.arange(T, device=x.device)
+    return torch.arange(pos, pos + T, device=x.device)
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x [B, T, H, D] by angles cos, sin [T, D/2]: pairs are (x[i], x[i + D/2])."""
+    """Rotate x [B, T, H, D] by angles cos, sin [T, D/2] (or per row [B, T, D/2]): pairs are (x[i], x[i + D/2])."""
     d = x.shape[-1] // 2
     x1, x2 = x[..., :d].float(), x[..., d:].float()
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -372,6 +375,8 @@ class Attention(nn.Module):
         if c.rope:
             cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None and hasattr(cache, "attend"):  # a paged cache (engine.py) reads its blocks
+            return self.wo(cache.attend(self, q, k, v).reshape(B, T, -1))
         if cache is not None:
             k, v = self.update_cache(cache, k, v, pos)
         o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend,
@@ -672,17 +677,20 @@ class MLA(nn.Module):
         latent = torch.cat([c_kv, k_rope], dim=-1)                          # [B, T, d_c + d_rope]
         if self.indexer is not None:  # detached input: the indexer learns from its KL loss only
             iq, iw, ik = self.indexer(x.detach(), (x if c_q is None else c_q).detach(), positions)
-        if cache is not None:
+        paged = cache is not None and hasattr(cache, "attend_latent")  # engine.py: rows in a block pool
+        if cache is not None and not paged:
             latent, ik = self.update_cache(cache, latent, ik if self.indexer is not None else None, pos)
         S = latent.shape[1]                                                 # keys visible: 0 .. S-1
         sparse = self.indexer is not None and c.dsa.stage == "sparse"
         absorb = (T == 1) if self.absorb is None else self.absorb
         kl = None
-        if sparse or (cache is not None and absorb):
+        if paged or sparse or (cache is not None and absorb):
             w_uk, w_uv = self._w_uk_uv()
             q_abs = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)               # q~_h = q_nope_h W_UK_h^T [B,T,H,d_c]
             q_lat = torch.cat([q_abs, q_rope], dim=-1)                         # [B, T, H, d_c + d_rope]
-            if sparse:
+            if paged:
+                o_lat = cache.attend_latent(self, q_lat, latent, *((iq, iw, ik) if sparse else (None,) * 3))
+            elif sparse:
                 o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss, cu_seqlens)
             else:  # MQA with one kv head: keys [c_kv, k_rope], values c_kv. The head is broadcast to
                 # all H heads as a stride-0 view (no copy): with Hq == Hkv PyTorch's SDPA takes its

@@ -4,6 +4,13 @@
     python sample.py --ckpt out/default/ckpt_300.pt --prompt_file p.txt --num_samples 3 --top_p 0.9
 
 The prompt is prefilled in one parallel `step`, then tokens are decoded one at a time from the cache.
+
+Many prompts (one JSON object per line with a `prompt`; the output adds `completion`) are served
+together by the engine (engine.py: continuous batching, chunked prefill, paged caches, KV policies):
+
+    python sample.py --ckpt out/default --prompts_file prompts.jsonl --output out.jsonl --max_batch 16
+    python sample.py ... --kv_policy streaming --kv_budget 256 --prefill_chunk 64 --block_size 16
+
 Byte-level checkpoints (vocab 257) use UTF-8 bytes; others need `--tokenizer` (a tiktoken encoding).
 """
 import argparse
@@ -74,6 +81,23 @@ def read_prompt(args):
     return args.prompt
 
 
+def check_prompt(args, cfg, encode):
+    """The prompt's tokens; ConfigError when empty, outside the vocabulary, or (prompt + new tokens)
+    longer than --cache_len for a model with layers that keep every token."""
+    prompt = encode(args.prompt)
+    if not prompt:
+        raise ConfigError("--prompt: must not be empty")
+    if max(prompt) >= cfg.model.vocab_size:
+        raise ConfigError(f"--prompt: token {max(prompt)} is outside the model's vocabulary ({cfg.model.vocab_size})")
+    context = len(prompt) + args.max_new_tokens - 1  # the last new token is never fed back
+    if args.cache_len is not None and context > args.cache_len and unbounded_layers(cfg):
+        raise ConfigError(f"--cache_len {args.cache_len}: the context is {context} tokens (prompt "
+                          f"{len(prompt)} + --max_new_tokens {args.max_new_tokens} - 1) and the model's "
+                          f"{', '.join(unbounded_layers(cfg))} layers keep every token; raise --cache_len "
+                          f"or lower --max_new_tokens")
+    return prompt
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="out/default", help="checkpoint file or folder (latest ckpt_*.pt)")
@@ -89,6 +113,7 @@ def main(argv=None):
     p.add_argument("--cache_len", type=int, default=None,
                    help="tokens global attention layers can cache (default: prompt + max_new_tokens)")
     p.add_argument("--tokenizer", default=None, help="tiktoken encoding name for non-byte vocabularies")
+    add_serve_args(p)
     args = p.parse_args(argv)
     for name, ok, allowed in [("num_samples", args.num_samples >= 1, ">= 1"),
                               ("max_new_tokens", args.max_new_tokens >= 1, ">= 1"),
@@ -107,20 +132,15 @@ def main(argv=None):
         args.prompt = read_prompt(args)
         model, cfg = load_model(args.ckpt, args.device)
         encode, decode = make_codec(cfg, args.tokenizer)
-        prompt = encode(args.prompt)
-        if not prompt:
-            raise ConfigError("--prompt: must not be empty")
-        if max(prompt) >= cfg.model.vocab_size:
-            raise ConfigError(f"--prompt: token {max(prompt)} is outside the model's vocabulary ({cfg.model.vocab_size})")
-        context = len(prompt) + args.max_new_tokens - 1  # the last new token is never fed back
-        if args.cache_len is not None and context > args.cache_len and unbounded_layers(cfg):
-            raise ConfigError(f"--cache_len {args.cache_len}: the context is {context} tokens (prompt "
-                              f"{len(prompt)} + --max_new_tokens {args.max_new_tokens} - 1) and the model's "
-                              f"{', '.join(unbounded_layers(cfg))} layers keep every token; raise --cache_len "
-                              f"or lower --max_new_tokens")
+        if args.prompts_file:
+            check_serve_args(args)
+        else:
+            prompt = check_prompt(args, cfg, encode)
     except (ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.prompts_file:
+        return serve_file(args, model, encode, decode)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     idx = torch.tensor([prompt] * args.num_samples, device=args.device)
     tokens = model.generate_stream(idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen,
@@ -147,6 +167,94 @@ def main(argv=None):
               f"--cache_len {args.cache_len})", file=sys.stderr)
         return 2
     return 0
+
+
+def add_serve_args(p):
+    from engine import KV_POLICIES
+    g = p.add_argument_group("many prompts (engine.py)")
+    g.add_argument("--prompts_file", help="JSON lines, each an object with a `prompt` string (and optionally "
+                   "`max_new_tokens`); served together")
+    g.add_argument("--output", help="JSON lines out: each input object plus `completion` (default: stdout)")
+    g.add_argument("--max_batch", type=int, default=8, help="requests decoded together")
+    g.add_argument("--prefill_chunk", type=int, default=256, help="prompt tokens prefilled per engine step")
+    g.add_argument("--block_size", type=int, default=16, help="tokens per cache block")
+    g.add_argument("--kv_policy", default="full", help=f"global attention cache policy: {', '.join(KV_POLICIES)}")
+    g.add_argument("--kv_budget", type=int, default=None, help="tokens kept / read per global layer (not for full)")
+
+
+def check_serve_args(args):
+    from engine import KV_POLICIES
+    for name in ("max_batch", "prefill_chunk", "block_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name}: must be an integer >= 1 (got {getattr(args, name)})")
+    if args.kv_policy not in KV_POLICIES:
+        raise ConfigError(f"--kv_policy: must be one of {', '.join(KV_POLICIES)} (got {args.kv_policy!r})")
+    if args.kv_policy != "full" and (args.kv_budget is None or args.kv_budget < 1):
+        raise ConfigError(f"--kv_budget: an integer >= 1 is needed with --kv_policy {args.kv_policy} (got {args.kv_budget})")
+
+
+def read_requests(path, encode, args):
+    """(requests, objects) from a JSON-lines file; a bad line becomes a request with its error set."""
+    import json
+    from engine import Request
+    reqs, objs = [], []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            r = Request([], args.max_new_tokens, args.temperature, args.top_k, args.top_p, rid=f"{path} line {n}")
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                obj, r.error = None, f"not valid JSON ({e.msg})"
+            if obj is not None and (not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str)):
+                obj, r.error = None, 'not a JSON object with a string "prompt"'
+            if obj is not None:
+                r.prompt = encode(obj["prompt"])
+                n_new = obj.get("max_new_tokens", args.max_new_tokens)
+                if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 1:
+                    r.error = f'"max_new_tokens" must be an integer >= 1 (got {n_new!r})'
+                else:
+                    r.max_new_tokens = n_new
+            reqs.append(r)
+            objs.append(obj)
+    return reqs, objs
+
+
+def serve_file(args, model, encode, decode):
+    """Serve every request of --prompts_file; a bad request gets one line on stderr, the rest complete."""
+    import json
+    from tqdm import tqdm
+    from data.tokens import atomic_write
+    from engine import Engine, EngineError
+    try:
+        reqs, objs = read_requests(args.prompts_file, encode, args)
+        engine = Engine(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, block_size=args.block_size,
+                        max_len=args.cache_len, kv_policy=args.kv_policy, kv_budget=args.kv_budget, seed=args.seed)
+    except (OSError, UnicodeDecodeError, EngineError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    bad = [r for r in reqs if r.error is not None]
+    bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr, disable=None)
+
+    def done(r):
+        bar.update(1)
+        if r.error is not None:
+            tqdm.write(f"error: {r.rid}: {r.error}", file=sys.stderr)
+    for r in bad:
+        done(r)
+    engine.run([r for r in reqs if r.error is None], on_done=done)
+    bar.close()
+    lines = [json.dumps({**obj, "completion": decode(r.out)}, ensure_ascii=False) + "\n"
+             for r, obj in zip(reqs, objs) if r.error is None]
+    if args.output:
+        atomic_write(args.output, lambda f: f.writelines(lines), mode="w")
+    else:
+        sys.stdout.writelines(lines)
+    n_bad = sum(r.error is not None for r in reqs)
+    if n_bad:
+        print(f"error: {n_bad} of {len(reqs)} requests failed (named above); the others completed", file=sys.stderr)
+    return 2 if n_bad else 0
 
 
 def _chain(first, rest):

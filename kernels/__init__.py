@@ -205,3 +205,26 @@ def block_sparse_attention(q, k, v, block_indices, block_size, *, scale=None, ba
         return block_sparse_attention_torch(q, k, v, block_indices, block_size, scale=scale)
     from .triton_sparse import block_sparse_attention_triton
     return block_sparse_attention_triton(q, k, v, block_indices, block_size, scale=scale)
+
+
+def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, window=None, sinks=None, scale=None, backend=None):
+    """Causal softmax attention over keys that live in a pool of fixed-size blocks (PagedAttention).
+
+    q [B,T,Hq,Dk]  k_pool [N,bs,Hkv,Dk]  v_pool [N,bs,Hkv,Dv]  block_table [B,nb] int (block j of row b
+    holds its positions j*bs .. j*bs+bs-1)  seq_lens [B]: keys of row b (its new tokens included).
+    Query t of row b sits at position seq_lens[b] - T + t and sees keys <= its position (and, with a
+    window, > position - window); table entries past a row's keys (or left of its window) are never
+    read, any valid block id may pad them. window, sinks, scale as in `attention`. -> o [B,T,Hq,Dv]
+    """
+    B, T, Hq, Dk = q.shape
+    Hkv = k_pool.shape[2]
+    if k_pool.shape[:3] != v_pool.shape[:3] or k_pool.shape[3] != Dk or block_table.shape[0] != B:
+        raise ValueError(f"paged_attention: shapes q{tuple(q.shape)} k_pool{tuple(k_pool.shape)} "
+                         f"v_pool{tuple(v_pool.shape)} block_table{tuple(block_table.shape)} do not match")
+    if Hq % Hkv:
+        raise ValueError(f"paged_attention: need Hq % Hkv == 0, got Hq={Hq} Hkv={Hkv}")
+    if _pick(backend, q) == "triton" and T == 1:  # decode; chunks of a prefill take the torch path
+        from .triton_paged import paged_decode_triton
+        return paged_decode_triton(q, k_pool, v_pool, block_table, seq_lens, window=window, sinks=sinks, scale=scale)
+    from .torch_paged import paged_attention_torch
+    return paged_attention_torch(q, k_pool, v_pool, block_table, seq_lens, window=window, sinks=sinks, scale=scale)
