@@ -63,8 +63,10 @@ def mixer_cost(lc, d, seq_len, ctx, dtype_bytes=2):
     kind = lc.kind
     if kind == "attn":
         Hq, Hkv, D, W = lc.n_heads, lc.n_kv_heads, lc.head_dim, lc.window
-        mm = d * Hq * D + 2 * d * Hkv * D + Hq * D * d
-        params = mm + (2 * D if lc.qk_norm else 0) + (Hq if lc.sinks else 0)
+        gate = _get(lc, "output_gate", False)
+        mm = d * Hq * D + 2 * d * Hkv * D + Hq * D * d + (d * Hq * D if gate else 0)
+        biases = (Hq * D + 2 * Hkv * D + d + (Hq * D if gate else 0)) if _get(lc, "bias", False) else 0
+        params = mm + biases + (2 * D if lc.qk_norm else 0) + (Hq if lc.sinks else 0)
         attn_fwd = 4 * Hq * D * keys_seen_avg(seq_len, W)
         L_eff = ctx if W is None else min(ctx, W)
         per_tok = 2 * Hkv * D * dtype_bytes
@@ -73,8 +75,8 @@ def mixer_cost(lc, d, seq_len, ctx, dtype_bytes=2):
                     cache_bytes=cache, decode_flops=2 * mm + 4 * Hq * D * L_eff,
                     decode_bytes=params * dtype_bytes + cache)
     if kind in ("kda", "gdn", "linear"):
-        H, K, V = lc.n_heads, lc.head_dim, lc.v_head_dim
-        ch = 2 * H * K + H * V                          # q, k, v channels
+        Hk, H, K, V = lc.n_heads, _get(lc, "n_v_heads") or lc.n_heads, lc.head_dim, lc.v_head_dim  # H: value heads
+        ch = 2 * Hk * K + H * V                         # q, k, v channels
         mm = d * ch
         other = ch * lc.conv_size
         if kind != "linear":
@@ -107,7 +109,7 @@ def mixer_cost(lc, d, seq_len, ctx, dtype_bytes=2):
 def _mla_cost(lc, d, seq_len, ctx, dtype_bytes):
     H, r, dc = lc.n_heads, _get(lc, "q_lora_rank") or 0, lc.kv_lora_rank
     nope, v = lc.qk_nope_dim, lc.v_head_dim
-    rope = lc.qk_rope_dim if _get(lc, "rope", True) else 0
+    rope = lc.qk_rope_dim                       # rotated, or an unrotated shared key part under NoPE
     q_mm = (d * r + r * H * (nope + rope)) if r else d * H * (nope + rope)
     dkv_mm = d * (dc + rope)
     ukv_mm = dc * H * (nope + v)
@@ -155,10 +157,10 @@ def _model_parts(model_cfg):
     return model_cfg.d_model, model_cfg.vocab_size, hidden, layers
 
 
-def _dense_cost(d, vocab, hidden, n_layer, dtype_bytes):
-    """Everything outside the mixers: embedding (tied head), SwiGLU MLPs, norms."""
+def _dense_cost(d, vocab, hidden, n_layer, dtype_bytes, untied=False):
+    """Everything outside the mixers: embedding (+ the head unless tied), SwiGLU MLPs, norms."""
     mlp = 3 * d * hidden * n_layer
-    params = vocab * d + mlp + (2 * n_layer + 1) * d
+    params = vocab * d * (2 if untied else 1) + mlp + (2 * n_layer + 1) * d
     mm = mlp + vocab * d                                # the head is a matmul, the lookup is not
     return dict(params=params, train_flops=3 * 2 * mm, cache_bytes_per_token=0, cache_bytes=0,
                 decode_flops=2 * mm, decode_bytes=params * dtype_bytes)
@@ -168,6 +170,7 @@ def layer_table(model_cfg, seq_len, ctx, dtype_bytes=2):
     """Rows per layer kind (grouped by identical config) + 'dense' + 'total': name, n, and the
     mixer_cost fields summed over the layers of that kind."""
     d, vocab, hidden, layers = _model_parts(model_cfg)
+    untied = not _get(model_cfg, "tie_embeddings", True)
     names = {}
     if hasattr(model_cfg, "pattern"):
         pat = model_cfg.pattern
@@ -180,7 +183,8 @@ def layer_table(model_cfg, seq_len, ctx, dtype_bytes=2):
     for name, lcs in names.items():
         c = mixer_cost(lcs[0], d, seq_len, ctx, dtype_bytes)
         rows.append({"name": f"{name} ({lcs[0].kind})", "n": len(lcs), **{k: v * len(lcs) for k, v in c.items()}})
-    rows.append({"name": "embed+mlp+norms", "n": len(layers), **_dense_cost(d, vocab, hidden, len(layers), dtype_bytes)})
+    rows.append({"name": "embed+mlp+norms", "n": len(layers),
+                 **_dense_cost(d, vocab, hidden, len(layers), dtype_bytes, untied)})
     total = {"name": "total", "n": len(layers)}
     for key in rows[0]:
         if key not in ("name", "n"):

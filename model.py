@@ -4,7 +4,7 @@ A config `pattern` names the mixer of every layer (cycled to n_layer); each mixe
 path (training, `forward`) and a cached path (`step`: prefill and decode) that give the same logits.
 
     GPT
-      wte                       token embedding, tied with the output head
+      wte                       token embedding, tied with the output head unless tie_embeddings: false
       blocks[i]: Block          x = x + mixer(norm(x));  x = x + mlp(norm(x))
         mixer                   Attention (attn), MLA (mla, + DSA Indexer), ... one class per mixer kind
         mlp                     SwiGLU
@@ -104,7 +104,10 @@ class AttnConfig:
     sinks: bool = False                 # learned per-head sink logits (gpt-oss)
     rope: bool = True                   # false = NoPE
     rope_theta: float = 10000.0
+    rope_fraction: float = 1.0          # partial RoPE: rotate the first int(head_dim * fraction) dims (Qwen3-Next 0.25)
     qk_norm: bool = False               # RMSNorm on q and k per head
+    output_gate: bool = False           # o * sigmoid(x W_g), per channel of every head, before wo (Qwen3-Next)
+    bias: bool = False                  # biases on wq, wk, wv, wo (and W_g) (gpt-oss)
 
     def check(self, path, model):
         positive(f"{path}.n_heads", self.n_heads)
@@ -118,10 +121,20 @@ class AttnConfig:
                     f"a divisor of d_model={model.d_model} (or set head_dim)", self.n_heads)
             self.head_dim = model.d_model // self.n_heads
         positive(f"{path}.head_dim", self.head_dim)
+        require(0 < self.rope_fraction <= 1, f"{path}.rope_fraction", "in (0, 1]", self.rope_fraction)
         if self.rope:
-            require(self.head_dim % 2 == 0, f"{path}.head_dim", "even when rope is true", self.head_dim)
+            require(self.rope_fraction < 1 or self.head_dim % 2 == 0, f"{path}.head_dim", "even when rope is true",
+                    self.head_dim)
+            require(self.rope_dim >= 2 and self.rope_dim % 2 == 0, f"{path}.rope_fraction",
+                    f"a share of head_dim={self.head_dim} giving an even number >= 2 of rotated dims "
+                    f"(int(head_dim * rope_fraction))", self.rope_fraction)
         require(self.window is None or self.window >= 1, f"{path}.window", "an integer >= 1 or null", self.window)
         require(self.rope_theta > 0, f"{path}.rope_theta", "> 0", self.rope_theta)
+
+    @property
+    def rope_dim(self):
+        """Rotated dims per head: the first int(head_dim * rope_fraction) (half-split among them)."""
+        return int(self.head_dim * self.rope_fraction)
 
 
 @dataclass
@@ -157,7 +170,7 @@ class MLAConfig:
     qk_nope_dim: int = 32
     qk_rope_dim: int = 16               # 0 allowed (no rope part)
     v_head_dim: int = 32
-    rope: bool = True                   # false = NoPE (Kimi Linear): the rope part is dropped
+    rope: bool = True                   # false = NoPE (Kimi Linear): the qk_rope_dim part stays, unrotated
     rope_theta: float = 10000.0
     dsa: Optional[dict] = None          # a DSAConfig mapping; None = dense MLA
 
@@ -176,8 +189,9 @@ class MLAConfig:
 
     @property
     def rope_dim(self):
-        """The rope dims actually used: 0 under NoPE."""
-        return self.qk_rope_dim if self.rope else 0
+        """The shared key part (and its query part): rotated with rope, kept unrotated under NoPE
+        (Kimi Linear); always counted in the softmax scale (d_nope + d_rope) ** -0.5."""
+        return self.qk_rope_dim
 
 
 @dataclass
@@ -208,6 +222,7 @@ class ModelConfig:
     mlp: dict = field(default_factory=dict)
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    tie_embeddings: bool = True         # false = an output head of its own (Kimi Linear, Qwen3-Next, gpt-oss)
     backend: Optional[str] = None       # kernels backend: null (auto), torch, triton
 
     @classmethod
@@ -264,11 +279,12 @@ def rope_angles(positions, dim, theta):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x [B, T, H, D] by angles cos, sin [T, D/2]: pairs are (x[i], x[i + D/2])."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d].float(), x[..., d:].float()
+    """Rotate x [B, T, H, D] by angles cos, sin [T, R/2]: pairs are (x[i], x[i + R/2]) among the first
+    R dims; dims R.. pass unrotated (partial RoPE). R == D is full RoPE."""
+    r = cos.shape[-1]
+    x1, x2, rest = x[..., :r].float(), x[..., r:2 * r].float(), x[..., 2 * r:].float()
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -312,11 +328,12 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.backend = cfg, model.backend
         Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(model.d_model, Hq * D, bias=False)
-        self.wk = nn.Linear(model.d_model, Hkv * D, bias=False)
-        self.wv = nn.Linear(model.d_model, Hkv * D, bias=False)
-        self.wo = nn.Linear(Hq * D, model.d_model, bias=False)
+        self.wq = nn.Linear(model.d_model, Hq * D, bias=cfg.bias)
+        self.wk = nn.Linear(model.d_model, Hkv * D, bias=cfg.bias)
+        self.wv = nn.Linear(model.d_model, Hkv * D, bias=cfg.bias)
+        self.wo = nn.Linear(Hq * D, model.d_model, bias=cfg.bias)
         self.wo.residual_out = True
+        self.wg = nn.Linear(model.d_model, Hq * D, bias=cfg.bias) if cfg.output_gate else None
         self.q_norm = RMSNorm(D, model.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, model.norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(Hq)) if cfg.sinks else None
@@ -331,11 +348,13 @@ class Attention(nn.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rope:
-            cos, sin = rope_angles(torch.arange(pos, pos + T, device=x.device), c.head_dim, c.rope_theta)
+            cos, sin = rope_angles(torch.arange(pos, pos + T, device=x.device), c.rope_dim, c.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = self.update_cache(cache, k, v, pos)
         o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend)
+        if self.wg is not None:  # gated attention: one sigmoid gate per output channel  [B, T, Hq, D]
+            o = o * torch.sigmoid(self.wg(x)).view_as(o)
         return self.wo(o.reshape(B, T, -1))
 
     def new_cache(self, batch_size, max_len, device, dtype):
@@ -383,7 +402,9 @@ class DeltaConfig:
     """kda: per-channel gate (Kimi Linear); gdn: per-head gate (Gated DeltaNet); linear: no gate,
     no delta rule (S_t = S_{t-1} + k_t v_t^T)."""
     kind: str = "kda"
-    n_heads: int = 4
+    n_heads: int = 4                    # query/key heads
+    n_v_heads: Optional[int] = None     # value heads; None = n_heads. A multiple of n_heads: each q/k head
+                                        # serves n_v_heads / n_heads consecutive value heads (Qwen3-Next 16 : 32)
     head_dim: Optional[int] = None      # K; None = d_model // n_heads
     v_head_dim: Optional[int] = None    # V; None = K
     conv_size: int = 4                  # causal depthwise short convolution width; 0 = none
@@ -398,6 +419,10 @@ class DeltaConfig:
                     f"a divisor of d_model={model.d_model} (or set head_dim)", self.n_heads)
             self.head_dim = model.d_model // self.n_heads
         positive(f"{path}.head_dim", self.head_dim)
+        if self.n_v_heads is None:
+            self.n_v_heads = self.n_heads
+        require(self.n_v_heads >= 1 and self.n_v_heads % self.n_heads == 0, f"{path}.n_v_heads",
+                f"a multiple of n_heads={self.n_heads} (or null)", self.n_v_heads)
         if self.v_head_dim is None:
             self.v_head_dim = self.head_dim
         positive(f"{path}.v_head_dim", self.v_head_dim)
@@ -417,8 +442,8 @@ class DeltaNet(nn.Module):
     def __init__(self, cfg: DeltaConfig, model: ModelConfig):
         super().__init__()
         self.cfg, self.backend = cfg, model.backend
-        d, H, K, V = model.d_model, cfg.n_heads, cfg.head_dim, cfg.v_head_dim
-        self.qkv_dims = (H * K, H * K, H * V)
+        d, H, K, V = model.d_model, cfg.n_v_heads, cfg.head_dim, cfg.v_head_dim  # H: value heads
+        self.qkv_dims = (cfg.n_heads * K, cfg.n_heads * K, H * V)
         self.w_qkv = nn.Linear(d, sum(self.qkv_dims), bias=False)
         if cfg.conv_size:  # depthwise: one causal filter per channel of q, k and v
             self.conv = nn.Parameter(torch.empty(sum(self.qkv_dims), cfg.conv_size))
@@ -465,11 +490,13 @@ class DeltaNet(nn.Module):
     def forward(self, x, cache=None, pos=0):
         B, T, _ = x.shape
         c = self.cfg
-        H, K, V = c.n_heads, c.head_dim, c.v_head_dim
+        H, K, V = c.n_v_heads, c.head_dim, c.v_head_dim                     # H: value heads (= state heads)
         q, k, v = self.short_conv(self.w_qkv(x), cache).split(self.qkv_dims, dim=-1)
-        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
+        q, k, v = q.view(B, T, c.n_heads, K), k.view(B, T, c.n_heads, K), v.view(B, T, H, V)
         if c.qk_norm:
             q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+        if H != c.n_heads:  # grouped value heads: q/k head i serves value heads i*r .. i*r + r-1
+            q, k = q.repeat_interleave(H // c.n_heads, dim=2), k.repeat_interleave(H // c.n_heads, dim=2)
         state = None if cache is None else cache.state
         if c.kind == "linear":
             if state is not None and T == 1:
@@ -499,7 +526,7 @@ class DeltaNet(nn.Module):
     def new_cache(self, batch_size, max_len, device, dtype):
         c = self.cfg
         conv_width = max(c.conv_size - 1, 0)
-        return LayerCache(state=torch.zeros(batch_size, c.n_heads, c.head_dim, c.v_head_dim, device=device),
+        return LayerCache(state=torch.zeros(batch_size, c.n_v_heads, c.head_dim, c.v_head_dim, device=device),
                           conv=torch.zeros(batch_size, conv_width, sum(self.qkv_dims), device=device, dtype=dtype))
 
 
@@ -632,7 +659,7 @@ class MLA(nn.Module):
         # key/value latent: [c_kv (d_c), k_rope (d_rope)] = x W_dkv; c_kv normed; one roped key for all heads
         c_kv, k_rope = self.wkv_a(x).split([d_c, d_rope], dim=-1)          # [B, T, d_c], [B, T, d_rope]
         c_kv = self.kv_norm(c_kv)
-        if d_rope:
+        if d_rope and c.rope:
             cos, sin = rope_angles(positions, d_rope, c.rope_theta)
             q_rope = apply_rope(q_rope, cos, sin)
             k_rope = apply_rope(k_rope[:, :, None], cos, sin)[:, :, 0]
@@ -770,7 +797,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(c, config) for c in config.layer_configs())
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
         for m in self.modules():  # mixers with parameters of their own init (gates, decays)
             if m is not self and hasattr(m, "reset_special_parameters"):
