@@ -172,6 +172,8 @@ class MLAConfig:
     v_head_dim: int = 32
     rope: bool = True                   # false = NoPE (Kimi Linear): the qk_rope_dim part stays, unrotated
     rope_theta: float = 10000.0
+    norm_eps: Optional[float] = None    # eps of the latent norms (q_norm, kv_norm); None = model.norm_eps
+                                        # (transformers' Kimi Linear and DeepSeek use 1e-6 there)
     dsa: Optional[dict] = None          # a DSAConfig mapping; None = dense MLA
 
     def check(self, path, model):
@@ -182,6 +184,7 @@ class MLAConfig:
         require(self.qk_rope_dim >= 0, f"{path}.qk_rope_dim", "an integer >= 0", self.qk_rope_dim)
         require(self.qk_rope_dim % 2 == 0, f"{path}.qk_rope_dim", "even (half-split RoPE)", self.qk_rope_dim)
         require(self.rope_theta > 0, f"{path}.rope_theta", "> 0", self.rope_theta)
+        require(self.norm_eps is None or self.norm_eps > 0, f"{path}.norm_eps", "> 0 or null", self.norm_eps)
         if isinstance(self.dsa, dict):
             self.dsa = build(DSAConfig, self.dsa, f"{path}.dsa")
         if self.dsa is not None:
@@ -429,6 +432,12 @@ class DeltaConfig:
         require(self.conv_size >= 0, f"{path}.conv_size", "an integer >= 0 (0 = no conv)", self.conv_size)
 
 
+def l2norm(x, eps=1e-6):
+    """x / sqrt(|x|^2 + eps) over the last dim, as FLA and transformers' GDN/KDA compute it (fp32)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def inverse_softplus(y):
     return y + torch.log(-torch.expm1(-y))
 
@@ -494,7 +503,7 @@ class DeltaNet(nn.Module):
         q, k, v = self.short_conv(self.w_qkv(x), cache).split(self.qkv_dims, dim=-1)
         q, k, v = q.view(B, T, c.n_heads, K), k.view(B, T, c.n_heads, K), v.view(B, T, H, V)
         if c.qk_norm:
-            q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+            q, k = l2norm(q), l2norm(k)
         if H != c.n_heads:  # grouped value heads: q/k head i serves value heads i*r .. i*r + r-1
             q, k = q.repeat_interleave(H // c.n_heads, dim=2), k.repeat_interleave(H // c.n_heads, dim=2)
         state = None if cache is None else cache.state
@@ -624,10 +633,10 @@ class MLA(nn.Module):
             self.wq = nn.Linear(d, H * (d_nope + d_rope), bias=False)             # W_q
         else:
             self.wq_a = nn.Linear(d, r_q, bias=False)                             # W_dq
-            self.q_norm = RMSNorm(r_q, model.norm_eps)
+            self.q_norm = RMSNorm(r_q, cfg.norm_eps or model.norm_eps)
             self.wq_b = nn.Linear(r_q, H * (d_nope + d_rope), bias=False)         # W_uq
         self.wkv_a = nn.Linear(d, d_c + d_rope, bias=False)                       # W_dkv
-        self.kv_norm = RMSNorm(d_c, model.norm_eps)
+        self.kv_norm = RMSNorm(d_c, cfg.norm_eps or model.norm_eps)
         self.wkv_b = nn.Linear(d_c, H * (d_nope + d_v), bias=False)               # W_ukv = [W_UK_h; W_UV_h]
         self.wo = nn.Linear(H * d_v, d, bias=False)
         self.wo.residual_out = True

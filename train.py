@@ -225,6 +225,17 @@ def check_model_matches(path, ckpt, cfg, verbose=True):
         print(f"note: resuming with changed model settings (same weights): {'; '.join(diffs)}")
 
 
+def init_weights_from(module, path, cfg):
+    """train.init_from: a fresh run (step 0, new optimizer and data order) from a checkpoint's weights."""
+    if os.path.isdir(path):
+        folder, path = path, latest_checkpoint(path)
+        if path is None:
+            raise DataError(f"{folder}: no checkpoint (ckpt_*.pt) to initialise from (train.init_from)")
+    ckpt = load_checkpoint(path)
+    check_model_matches(path, ckpt, cfg, verbose=False)
+    module.load_state_dict(ckpt["model"])
+
+
 def rng_state():
     """RNG states of this process as plain lists/tensors (loadable with weights_only=True)."""
     version, mt, gauss = random.getstate()
@@ -363,6 +374,8 @@ def _train(cfg, pg, resume, quiet, stop_at):
             module.load_state_dict(ckpt["model"])
         except RuntimeError:
             raise DataError(f"{path}: the checkpoint's weights do not fit this config's model") from None
+    elif tc.init_from:
+        init_weights_from(module, tc.init_from, cfg)
     roles = param_roles(module, tc)
     fwd = module
     if fsdp:
