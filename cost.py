@@ -153,23 +153,39 @@ def _model_parts(model_cfg):
         pat = model_cfg.pattern
         layers = [model_cfg.layers[pat[i % len(pat)]] for i in range(model_cfg.n_layer)]
     layers = [SimpleNamespace(**lc) if isinstance(lc, dict) else lc for lc in layers]
-    hidden = _get(model_cfg.mlp, "hidden")
-    return model_cfg.d_model, model_cfg.vocab_size, hidden, layers
+    return model_cfg.d_model, model_cfg.vocab_size, model_cfg.mlp, layers
 
 
-def _dense_cost(d, vocab, hidden, n_layer, dtype_bytes, untied=False):
-    """Everything outside the mixers: embedding (+ the head unless tied), SwiGLU MLPs, norms."""
-    mlp = 3 * d * hidden * n_layer
-    params = vocab * d * (2 if untied else 1) + mlp + (2 * n_layer + 1) * d
-    mm = mlp + vocab * d                                # the head is a matmul, the lookup is not
-    return dict(params=params, train_flops=3 * 2 * mm, cache_bytes_per_token=0, cache_bytes=0,
-                decode_flops=2 * mm, decode_bytes=params * dtype_bytes)
+def _mlp_cost(mlp, d, n_layer):
+    """(parameters, parameters active per token) of the MLPs of all layers. MoE (SPEC 10): a token
+    uses top_k of the n_experts routed experts, the shared expert(s) and the router."""
+    if _get(mlp, "kind", "swiglu") != "moe":
+        p = 3 * d * _get(mlp, "hidden") * n_layer
+        return p, p
+    k_dense = _get(mlp, "first_k_dense", 0)
+    dense = 3 * d * _get(mlp, "dense_hidden") * k_dense
+    expert, E = 3 * d * _get(mlp, "hidden"), _get(mlp, "n_experts")
+    shared_hidden = _get(mlp, "shared_hidden") or _get(mlp, "n_shared", 0) * _get(mlp, "hidden")
+    always = 3 * d * shared_hidden + (d if _get(mlp, "shared_gate") else 0) + d * E  # shared + gate + router
+    n_moe = n_layer - k_dense
+    return dense + n_moe * (E * expert + always), dense + n_moe * (_get(mlp, "top_k") * expert + always)
+
+
+def _dense_cost(d, vocab, mlp, n_layer, dtype_bytes, untied=False):
+    """Everything outside the mixers: embedding (+ the head unless tied), MLPs (dense or MoE), norms.
+    FLOPs and decode bytes count the active parameters only."""
+    mlp_params, mlp_active = _mlp_cost(mlp, d, n_layer)
+    params = vocab * d * (2 if untied else 1) + mlp_params + (2 * n_layer + 1) * d
+    mm = mlp_active + vocab * d                         # the head is a matmul, the lookup is not
+    active = params - mlp_params + mlp_active
+    return dict(params=params, active_params=active, train_flops=3 * 2 * mm, cache_bytes_per_token=0,
+                cache_bytes=0, decode_flops=2 * mm, decode_bytes=active * dtype_bytes)
 
 
 def layer_table(model_cfg, seq_len, ctx, dtype_bytes=2):
     """Rows per layer kind (grouped by identical config) + 'dense' + 'total': name, n, and the
     mixer_cost fields summed over the layers of that kind."""
-    d, vocab, hidden, layers = _model_parts(model_cfg)
+    d, vocab, mlp, layers = _model_parts(model_cfg)
     untied = not _get(model_cfg, "tie_embeddings", True)
     names = {}
     if hasattr(model_cfg, "pattern"):
@@ -182,9 +198,10 @@ def layer_table(model_cfg, seq_len, ctx, dtype_bytes=2):
     rows = []
     for name, lcs in names.items():
         c = mixer_cost(lcs[0], d, seq_len, ctx, dtype_bytes)
+        c["active_params"] = c["params"]
         rows.append({"name": f"{name} ({lcs[0].kind})", "n": len(lcs), **{k: v * len(lcs) for k, v in c.items()}})
     rows.append({"name": "embed+mlp+norms", "n": len(layers),
-                 **_dense_cost(d, vocab, hidden, len(layers), dtype_bytes, untied)})
+                 **_dense_cost(d, vocab, mlp, len(layers), dtype_bytes, untied)})
     total = {"name": "total", "n": len(layers)}
     for key in rows[0]:
         if key not in ("name", "n"):
@@ -202,6 +219,11 @@ def roofline(flops, nbytes, peak=H200_FLOPS, bw=H200_BW):
 
 def num_params(model_cfg):
     return layer_table(model_cfg, 1, 1)[-1]["params"]
+
+
+def active_params(model_cfg):
+    """Parameters a token uses (MoE: top_k routed experts + shared + router; = num_params if dense)."""
+    return layer_table(model_cfg, 1, 1)[-1]["active_params"]
 
 
 def train_flops_per_token(model_cfg, seq_len):
@@ -298,7 +320,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     seq_len = args.seq_len or cfg.train.seq_len
-    print(f"{args.config}: {human(num_params(cfg.model))} parameters, "
+    print(f"{args.config}: {human(num_params(cfg.model))} parameters ({human(active_params(cfg.model))} active), "
           f"{human(train_flops_per_token(cfg.model, seq_len))} training FLOPs/token at seq_len {seq_len}, "
           f"{args.dtype_bytes}-byte weights and cache\n")
     print(report(cfg.model, seq_len, args.ctx, args.dtype_bytes))

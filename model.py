@@ -7,7 +7,7 @@ path (training, `forward`) and a cached path (`step`: prefill and decode) that g
       wte                       token embedding, tied with the output head unless tie_embeddings: false
       blocks[i]: Block          x = x + mixer(norm(x));  x = x + mlp(norm(x))
         mixer                   Attention (attn), MLA (mla, + DSA Indexer), ... one class per mixer kind
-        mlp                     SwiGLU
+        mlp                     SwiGLU, or MoE (mlp.kind: moe; the first_k_dense layers stay SwiGLU)
       norm_f, lm_head
 
 The math lives in kernels/ (one function per op); this file is structure. See SPEC.md.
@@ -199,14 +199,58 @@ class MLAConfig:
 
 @dataclass
 class MLPConfig:
-    kind: str = "swiglu"
-    hidden: Optional[int] = None        # None = 8/3 d_model rounded up to a multiple of 64
+    """swiglu: one SwiGLU MLP per layer. moe: token-choice top-k mixture of SwiGLU experts (SPEC 10)."""
+    kind: str = "swiglu"                # swiglu | moe
+    hidden: Optional[int] = None        # swiglu: the MLP's hidden; moe: each expert's. None = 8/3 d_model
+                                        # rounded up to a multiple of 64
+    n_experts: int = 8                  # moe: routed experts
+    top_k: int = 2                      # moe: experts per token
+    n_shared: int = 0                   # moe: always-on shared experts (one SwiGLU of shared_hidden)
+    shared_hidden: Optional[int] = None  # moe: None = n_shared * hidden
+    shared_gate: bool = False           # moe: sigmoid(x w) scales the shared output (Qwen3-Next)
+    router: str = "softmax"             # moe: softmax (Qwen3-Next) | sigmoid (DeepSeek-V3: + balancing bias)
+    norm_topk: bool = True              # moe: renormalise the top-k weights to sum to 1
+    routed_scale: float = 1.0           # moe: multiplies the routed output (DeepSeek-V3 2.5, Kimi 2.446)
+    first_k_dense: int = 0              # moe: the first k layers keep a dense SwiGLU of dense_hidden
+    dense_hidden: Optional[int] = None  # moe: None = 8/3 d_model rounded up to a multiple of 64
+    bias_update_rate: float = 0.001     # moe, sigmoid: the balancing bias step per optimizer step
 
     def check(self, path, model):
-        _one_of(f"{path}.kind", self.kind, ["swiglu"])
+        _one_of(f"{path}.kind", self.kind, MLP_KINDS)
+        default = 64 * math.ceil(8 * model.d_model / 3 / 64)
         if self.hidden is None:
-            self.hidden = 64 * math.ceil(8 * model.d_model / 3 / 64)
+            self.hidden = default
         positive(f"{path}.hidden", self.hidden)
+        if self.kind != "moe":
+            return
+        positive(f"{path}.n_experts", self.n_experts)
+        require(1 <= self.top_k <= self.n_experts, f"{path}.top_k", f"in [1, n_experts={self.n_experts}]", self.top_k)
+        require(self.n_shared >= 0, f"{path}.n_shared", "an integer >= 0", self.n_shared)
+        if self.shared_hidden is None:
+            self.shared_hidden = self.n_shared * self.hidden
+        require(self.shared_hidden >= 0 and (self.shared_hidden > 0) == (self.n_shared > 0), f"{path}.shared_hidden",
+                "> 0 exactly when n_shared > 0", self.shared_hidden)
+        require(not self.shared_gate or self.n_shared > 0, f"{path}.shared_gate", "false without shared experts",
+                self.shared_gate)
+        _one_of(f"{path}.router", self.router, ROUTERS)
+        require(self.routed_scale > 0, f"{path}.routed_scale", "> 0", self.routed_scale)
+        require(0 <= self.first_k_dense <= model.n_layer, f"{path}.first_k_dense",
+                f"in [0, n_layer={model.n_layer}]", self.first_k_dense)
+        if self.dense_hidden is None:
+            self.dense_hidden = default
+        positive(f"{path}.dense_hidden", self.dense_hidden)
+        require(self.bias_update_rate >= 0, f"{path}.bias_update_rate", ">= 0", self.bias_update_rate)
+
+    def is_moe(self, layer):
+        return self.kind == "moe" and layer >= self.first_k_dense
+
+    def dense_size(self):
+        """Hidden of the dense MLPs (every layer for swiglu, the first_k_dense layers for moe)."""
+        return self.dense_hidden if self.kind == "moe" else self.hidden
+
+
+MLP_KINDS = ("swiglu", "moe")
+ROUTERS = ("softmax", "sigmoid")
 
 
 # kind -> (config dataclass, mixer module); other mixers register themselves further down.
@@ -300,6 +344,79 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Token-choice top-k mixture of SwiGLU experts plus optional shared experts (SPEC 10).
+
+    Router: softmax (top-k of the softmax) or sigmoid (top-k of sigmoid + a balancing bias that only
+    selects; the weights are the selected sigmoids), optionally renormalised, times routed_scale.
+    Assignments are sorted by expert and each expert runs one matmul over its tokens (a loop over
+    experts, none over tokens); no capacity: no token is dropped. The sigmoid router's bias is a
+    buffer nudged by update_router_bias() outside the gradient (DeepSeek-V3's auxiliary-loss-free
+    balancing); `load` counts the assignments per expert since the last update."""
+
+    def __init__(self, cfg: MLPConfig, d_model, init_std):
+        super().__init__()
+        self.cfg, self.init_std = cfg, init_std
+        E, h = cfg.n_experts, cfg.hidden
+        self.router = nn.Linear(d_model, E, bias=False)
+        self.w1 = nn.Parameter(torch.empty(E, h, d_model))                 # gate   [E, hidden, d]
+        self.w3 = nn.Parameter(torch.empty(E, h, d_model))                 # up     [E, hidden, d]
+        self.w2 = nn.Parameter(torch.empty(E, d_model, h))                 # down   [E, d, hidden]
+        self.register_buffer("router_bias", torch.zeros(E), persistent=cfg.router == "sigmoid")
+        self.register_buffer("load", torch.zeros(E), persistent=False)
+        self.shared = SwiGLU(d_model, cfg.shared_hidden) if cfg.n_shared else None
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_gate else None
+
+    def reset_special_parameters(self, n_layer=1):
+        for w in (self.w1, self.w3):
+            nn.init.normal_(w, 0.0, self.init_std)
+        nn.init.normal_(self.w2, 0.0, self.init_std / math.sqrt(2 * n_layer))
+
+    def route(self, x):
+        """x [N, d] -> expert ids [N, k], weights [N, k] (fp32)."""
+        c = self.cfg
+        logits = self.router(x).float()                                     # [N, E]
+        scores = logits.softmax(-1) if c.router == "softmax" else logits.sigmoid()
+        choice = scores if c.router == "softmax" else scores + self.router_bias
+        ids = choice.topk(c.top_k, dim=-1).indices
+        w = scores.gather(1, ids)
+        if c.norm_topk:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * c.routed_scale
+
+    def forward(self, x):
+        B, T, d = x.shape
+        xf = x.reshape(B * T, d)
+        ids, w = self.route(xf)
+        flat = ids.reshape(-1)                                              # [N*k] assignment -> expert
+        order = flat.argsort(stable=True)                                   # assignments sorted by expert
+        token = order // self.cfg.top_k                                    # their tokens
+        counts = torch.bincount(flat, minlength=self.cfg.n_experts)
+        if self.training:
+            self.load += counts.to(self.load.dtype)
+        xs = xf[token]                                                      # [N*k, d] grouped by expert
+        ys = [F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T) @ self.w2[e].T  # every expert, even empty:
+              for e, xe in enumerate(xs.split(counts.tolist()))]            # each weight gets a gradient
+        ys = torch.cat(ys) * w.reshape(-1)[order, None].to(x.dtype)
+        out = torch.zeros_like(xf).index_add_(0, token, ys)                 # [N, d]
+        if self.shared is not None:
+            s = self.shared(xf)
+            out = out + (torch.sigmoid(self.shared_gate(xf)) * s if self.shared_gate is not None else s)
+        return out.view(B, T, d)
+
+    @torch.no_grad()
+    def update_router_bias(self, update=True):
+        """After an optimizer step: the load since the last call (summed over ranks), and for the
+        sigmoid router bias += rate * sign(mean load - load). Returns the load as fractions."""
+        load = self.load.clone()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(load)
+        self.load.zero_()
+        if update and self.cfg.router == "sigmoid":
+            self.router_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        return load / load.sum().clamp_min(1)
 
 
 class LayerCache:
@@ -786,12 +903,15 @@ MIXERS["mla"] = (MLAConfig, MLA)
 
 
 class Block(nn.Module):
-    def __init__(self, mixer_cfg, model: ModelConfig):
+    def __init__(self, mixer_cfg, model: ModelConfig, layer=0):
         super().__init__()
         self.norm1 = RMSNorm(model.d_model, model.norm_eps)
         self.mixer = MIXERS[mixer_cfg.kind][1](mixer_cfg, model)
         self.norm2 = RMSNorm(model.d_model, model.norm_eps)
-        self.mlp = SwiGLU(model.d_model, model.mlp.hidden)
+        if model.mlp.is_moe(layer):
+            self.mlp = MoE(model.mlp, model.d_model, model.init_std)
+        else:
+            self.mlp = SwiGLU(model.d_model, model.mlp.dense_size())
 
     def forward(self, x, cache=None, pos=0):
         x = x + self.mixer(self.norm1(x), cache, pos)
@@ -803,14 +923,16 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(c, config) for c in config.layer_configs())
+        self.blocks = nn.ModuleList(Block(c, config, i) for i, c in enumerate(config.layer_configs()))
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
-        for m in self.modules():  # mixers with parameters of their own init (gates, decays)
-            if m is not self and hasattr(m, "reset_special_parameters"):
+        for m in self.modules():  # mixers with parameters of their own init (gates, decays, experts)
+            if isinstance(m, MoE):
+                m.reset_special_parameters(config.n_layer)
+            elif m is not self and hasattr(m, "reset_special_parameters"):
                 m.reset_special_parameters()
 
     def _init_weights(self, m):
@@ -826,6 +948,13 @@ class GPT(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
+
+    def update_router_biases(self, update=True):
+        """Call after each optimizer step (every rank): MoE load balancing outside the gradient.
+        Returns metrics: per MoE layer the share of assignments per expert, and the dropped tokens
+        (always 0: no capacity factor); {} without MoE layers."""
+        loads = [b.mlp.update_router_bias(update).tolist() for b in self.blocks if isinstance(b.mlp, MoE)]
+        return {"expert_load": loads, "dropped_tokens": 0} if loads else {}
 
     def forward(self, idx, targets=None):
         """idx [B, T] -> logits [B, T, vocab]; loss (mean cross-entropy, targets -1 ignored) or None.

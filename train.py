@@ -522,6 +522,7 @@ def _train(cfg, pg, resume, quiet, stop_at):
                         f"loss or gradient not finite for {bad_in_row} steps in a row (steps "
                         f"{step + 2 - bad_in_row}..{step + 1}, train.max_bad_steps={tc.max_bad_steps}); "
                         f"lower train.lr or check the data")
+            moe_stats = module.update_router_biases(update=bad_in_row == 0)  # MoE balancing bias, per-expert load
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             step += 1
@@ -534,7 +535,7 @@ def _train(cfg, pg, resume, quiet, stop_at):
                 util = cost.mfu(flops_per_token, tok_s, pg.world, peak)
                 row = {"step": step, "loss": loss_sum / n_sum if n_sum else None, "lr": lr_at(step - 1, tc),
                        "tokens_per_s": tok_s, "mfu": util, "grad_norm": grad_norm, "tokens": tokens_seen,
-                       "skipped_steps": skipped,
+                       "skipped_steps": skipped, **moe_stats,
                        **({n: v / n_sum for n, v in aux_sums.items()} if n_sum else {})}
                 write(row)
                 post = {"loss": f"{row['loss']:.4f}" if n_sum else "nan", "tok_s": f"{tok_s:.0f}"}
