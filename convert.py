@@ -79,9 +79,42 @@ def split_rows(hfs, ours, rows):
     return hfs, [ours], (lambda ts: list(ts[0].split(rows))), (lambda ts: [torch.cat(ts)])
 
 
-def dense_rules(mc, norm=same, always_head=False):
-    """Embedding, final norm, head, per-layer norms and SwiGLU MLPs (names shared by all families).
-    always_head: the family cannot tie the head (Kimi Linear), so a tied one is written out as a copy."""
+def per_expert(hfs, ours):
+    """HF keeps one matrix per expert; we keep them stacked [E, ...]."""
+    return hfs, [ours], (lambda ts: list(ts[0].unbind(0))), (lambda ts: [torch.stack(ts)])
+
+
+# How each family names its MoE block: prefix, per-expert (gate, up, down), router, router bias, shared MLP
+MOE_NAMES = {
+    "qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "gate.weight", None, "shared_expert."),
+    "kimi_linear": ("block_sparse_moe.", ("w1", "w3", "w2"), "gate.weight", "gate.e_score_correction_bias",
+                    "shared_experts."),
+    "deepseek_v32": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "gate.weight", "gate.e_score_correction_bias",
+                     "shared_experts."),
+}
+
+
+def moe_rules(h, o, mlp, family):
+    """Routed experts (one HF matrix each), router (+ balancing bias), shared MLP (+ Qwen3-Next's gate)."""
+    prefix, (gate, up, down), router, bias, shared = MOE_NAMES[family]
+    h = h + prefix
+    rules = [per_expert([f"{h}experts.{e}.{name}.weight" for e in range(mlp.n_experts)], f"{o}{ours}")
+             for name, ours in ((gate, "w1"), (up, "w3"), (down, "w2"))]
+    rules.append(same(h + router, o + "router.weight"))
+    if mlp.router == "sigmoid":
+        rules.append(same(h + bias, o + "router_bias"))
+    if mlp.n_shared:
+        rules += [same(f"{h}{shared}{a}.weight", f"{o}shared.{b}.weight")
+                  for a, b in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))]
+    if mlp.shared_gate:
+        rules.append(same(h + "shared_expert_gate.weight", o + "shared_gate.weight"))
+    return rules
+
+
+def dense_rules(mc, norm=same, always_head=False, family=None):
+    """Embedding, final norm, head, per-layer norms and MLPs (SwiGLU names are shared by all families;
+    MoE layers follow MOE_NAMES[family]). always_head: the family cannot tie the head (Kimi Linear),
+    so a tied one is written out as a copy."""
     rules = [same("model.embed_tokens.weight", "wte.weight"), norm("model.norm.weight", "norm_f.weight")]
     if not mc.tie_embeddings:
         rules.append(same("lm_head.weight", "lm_head.weight"))
@@ -90,8 +123,11 @@ def dense_rules(mc, norm=same, always_head=False):
     for i in range(mc.n_layer):
         h, o = f"model.layers.{i}.", f"blocks.{i}."
         rules += [norm(h + "input_layernorm.weight", o + "norm1.weight"),
-                  norm(h + "post_attention_layernorm.weight", o + "norm2.weight"),
-                  same(h + "mlp.gate_proj.weight", o + "mlp.w1.weight"),
+                  norm(h + "post_attention_layernorm.weight", o + "norm2.weight")]
+        if mc.mlp.is_moe(i):
+            rules += moe_rules(h, o + "mlp.", mc.mlp, family)
+            continue
+        rules += [same(h + "mlp.gate_proj.weight", o + "mlp.w1.weight"),
                   same(h + "mlp.up_proj.weight", o + "mlp.w3.weight"),
                   same(h + "mlp.down_proj.weight", o + "mlp.w2.weight")]
     return rules
@@ -189,7 +225,23 @@ def _no(path, value, family, what):
 
 
 def _check_dense_mlp(mc, family):
-    refuse(mc.mlp.kind == "swiglu", f"model.mlp.kind={mc.mlp.kind!r}: {family} conversion of this MLP is not done")
+    refuse(mc.mlp.kind == "swiglu", f"model.mlp.kind={mc.mlp.kind!r}: {family} has no MoE (qwen3_next, "
+           f"kimi_linear and deepseek_v32 have)")
+
+
+def _check_moe(mc, family, router, shared_gate, shared_is_n_times_hidden):
+    m, p = mc.mlp, "model.mlp"
+    refuse(m.router == router, f"{p}.router={m.router!r}: {family} routes with {router}")
+    refuse(m.shared_gate == shared_gate, f"{p}.shared_gate={m.shared_gate!r}: {family} has "
+           + ("a gated shared expert" if shared_gate else "no shared-expert gate"))
+    refuse(m.n_shared >= 1, f"{p}.n_shared=0: {family} always has a shared expert")
+    if shared_is_n_times_hidden:
+        refuse(m.shared_hidden == m.n_shared * m.hidden, f"{p}.shared_hidden={m.shared_hidden}: {family}'s "
+               f"shared experts are n_shared * hidden = {m.n_shared * m.hidden} wide")
+    else:
+        refuse(m.n_shared == 1, f"{p}.n_shared={m.n_shared}: {family} has one shared expert (set shared_hidden)")
+    if router == "softmax":
+        refuse(m.routed_scale == 1.0, f"{p}.routed_scale={m.routed_scale}: {family} does not scale routed outputs")
 
 
 def _attn_common(name, c, family, gate, qk_norm, rope_fraction=False):
@@ -238,6 +290,7 @@ def attn_family(mc):
 
 
 def attn_hf_config(mc, family):
+    _check_dense_mlp(mc, family)
     name, c = _one_config(mc, "attn", family)
     _attn_common(name, c, family, gate=False, qk_norm=family == "qwen3")
     arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
@@ -266,7 +319,6 @@ def attn_rules_all(mc, family):
 # qwen3_next: Gated DeltaNet + gated attention, zero-centred norms
 
 def qwen3_next_hf_config(mc, family="qwen3_next"):
-    _check_dense_mlp(mc, family)
     gname, g = _one_config(mc, "gdn", family)
     aname, a = _one_config(mc, "attn", family)
     if a is not None:
@@ -279,6 +331,13 @@ def qwen3_next_hf_config(mc, family="qwen3_next"):
     cfg = _base_hf(mc, family, "Qwen3NextForCausalLM")
     cfg.update(layer_types=["linear_attention" if c.kind == "gdn" else "full_attention" for _, c in _layer_names(mc)],
                num_experts=0, mlp_only_layers=[])
+    m = mc.mlp
+    if m.kind == "moe":
+        _check_moe(mc, family, "softmax", shared_gate=True, shared_is_n_times_hidden=False)
+        cfg.update(num_experts=m.n_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.hidden,
+                   shared_expert_intermediate_size=m.shared_hidden, norm_topk_prob=m.norm_topk,
+                   decoder_sparse_step=1, mlp_only_layers=list(range(m.first_k_dense)),
+                   intermediate_size=m.dense_hidden)
     if a is not None:
         cfg.update(num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim,
                    attention_bias=a.bias, rope_parameters={"rope_type": "default", "rope_theta": a.rope_theta,
@@ -289,9 +348,22 @@ def qwen3_next_hf_config(mc, family="qwen3_next"):
     return cfg
 
 
+def qwen3_next_moe(hf):
+    """Our mlp section for Qwen3-Next's MoE (dense when num_experts == 0)."""
+    if not hf.num_experts:
+        return {"kind": "swiglu", "hidden": hf.intermediate_size}
+    n = hf.num_hidden_layers
+    sparse = [i not in hf.mlp_only_layers and (i + 1) % hf.decoder_sparse_step == 0 for i in range(n)]
+    k = sparse.index(True) if any(sparse) else n
+    refuse(all(sparse[k:]), f"config.json mlp_only_layers={hf.mlp_only_layers}, decoder_sparse_step="
+           f"{hf.decoder_sparse_step}: only leading dense layers convert (first_k_dense)")
+    return {"kind": "moe", "n_experts": hf.num_experts, "top_k": hf.num_experts_per_tok,
+            "hidden": hf.moe_intermediate_size, "n_shared": 1, "shared_hidden": hf.shared_expert_intermediate_size,
+            "shared_gate": True, "router": "softmax", "norm_topk": bool(hf.norm_topk_prob), "first_k_dense": k,
+            "dense_hidden": hf.intermediate_size}
+
+
 def qwen3_next_our_config(hf, family="qwen3_next"):
-    refuse(getattr(hf, "num_experts", 0) == 0, f"config.json num_experts={hf.num_experts}: MoE conversion is not "
-           f"done yet (dense Qwen3-Next only)")
     theta, fraction = _rope(hf)
     layers = {"gdn": dict(kind="gdn", n_heads=hf.linear_num_key_heads, n_v_heads=hf.linear_num_value_heads,
                           head_dim=hf.linear_key_head_dim, v_head_dim=hf.linear_value_head_dim,
@@ -303,11 +375,12 @@ def qwen3_next_our_config(hf, family="qwen3_next"):
     for t in hf.layer_types:
         refuse(t in types, f"config.json layer_types: {t!r} is not a qwen3_next layer this converter knows")
     pattern = [types[t] for t in hf.layer_types]
-    return dict(_base_ours(hf), pattern=pattern, layers={k: v for k, v in layers.items() if k in pattern})
+    return dict(_base_ours(hf), pattern=pattern, layers={k: v for k, v in layers.items() if k in pattern},
+                mlp=qwen3_next_moe(hf))
 
 
 def qwen3_next_rules(mc, family="qwen3_next"):
-    rules = dense_rules(mc, norm=zero_centred)
+    rules = dense_rules(mc, norm=zero_centred, family=family)
     for i, (_, c) in enumerate(_layer_names(mc)):
         o = f"blocks.{i}.mixer."
         if c.kind == "gdn":
@@ -323,7 +396,6 @@ KIMI_LATENT_EPS = 1e-6  # transformers' Kimi Linear latent norms (q_a_layernorm,
 
 
 def kimi_hf_config(mc, family="kimi_linear"):
-    _check_dense_mlp(mc, family)
     kname, k = _one_config(mc, "kda", family)
     mname, m = _one_config(mc, "mla", family)
     if k is not None:
@@ -342,7 +414,9 @@ def kimi_hf_config(mc, family="kimi_linear"):
     cfg = _base_hf(mc, family, "KimiLinearForCausalLM")
     cfg.update(tie_word_embeddings=False,  # transformers' Kimi Linear never ties its head
                layer_types=["linear_attention" if c.kind == "kda" else "full_attention" for _, c in _layer_names(mc)],
-               mlp_layer_types=["dense"] * mc.n_layer)
+               mlp_layer_types=["sparse" if mc.mlp.is_moe(i) else "dense" for i in range(mc.n_layer)])
+    if mc.mlp.kind == "moe":
+        cfg.update(sigmoid_moe_hf(mc, family))
     if k is not None:
         cfg.update(linear_head_dim=k.head_dim, linear_num_heads=k.n_heads, linear_conv_kernel_dim=k.conv_size)
     if m is not None:
@@ -352,9 +426,30 @@ def kimi_hf_config(mc, family="kimi_linear"):
     return cfg
 
 
+def sigmoid_moe(hf, sparse):
+    """Our mlp section for a DeepSeek-V3-style sigmoid-routed MoE (Kimi Linear, DeepSeek-V3.2)."""
+    if not any(sparse):
+        return {"kind": "swiglu", "hidden": hf.intermediate_size}
+    k = sparse.index(True)
+    refuse(all(sparse[k:]), f"config.json: MoE layers after a dense one ({sparse}); only leading dense layers "
+           f"convert (first_k_dense)")
+    refuse((hf.n_group or 1) == 1, f"config.json n_group={hf.n_group}: group-limited routing is not converted")
+    return {"kind": "moe", "n_experts": hf.num_local_experts, "top_k": hf.num_experts_per_tok,
+            "hidden": hf.moe_intermediate_size, "n_shared": hf.n_shared_experts, "router": "sigmoid",
+            "norm_topk": bool(hf.norm_topk_prob), "routed_scale": float(hf.routed_scaling_factor),
+            "first_k_dense": k, "dense_hidden": hf.intermediate_size}
+
+
+def sigmoid_moe_hf(mc, family):
+    """config.json MoE fields of a DeepSeek-V3-style sigmoid-routed MoE (Kimi Linear, DeepSeek-V3.2)."""
+    _check_moe(mc, family, "sigmoid", shared_gate=False, shared_is_n_times_hidden=True)
+    m = mc.mlp
+    return dict(num_local_experts=m.n_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.hidden,
+                n_shared_experts=m.n_shared, norm_topk_prob=m.norm_topk, routed_scaling_factor=m.routed_scale,
+                n_group=1, topk_group=1, intermediate_size=m.dense_hidden)
+
+
 def kimi_our_config(hf, family="kimi_linear"):
-    dense = all(t == "dense" for t in hf.mlp_layer_types)
-    refuse(dense, "config.json mlp_layer_types has sparse (MoE) layers: MoE conversion is not done yet")
     layers = {"kda": dict(kind="kda", n_heads=hf.linear_num_heads, head_dim=hf.linear_head_dim,
                           conv_size=hf.linear_conv_kernel_dim),
               "mla": dict(kind="mla", n_heads=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank,
@@ -366,11 +461,11 @@ def kimi_our_config(hf, family="kimi_linear"):
         refuse(t in types, f"config.json layer_types: {t!r} is not a kimi_linear layer this converter knows")
     pattern = [types[t] for t in hf.layer_types]
     return dict(_base_ours(hf), pattern=pattern, layers={k: v for k, v in layers.items() if k in pattern},
-                tie_embeddings=False)
+                tie_embeddings=False, mlp=sigmoid_moe(hf, [t == "sparse" for t in hf.mlp_layer_types]))
 
 
 def kimi_rules(mc, family="kimi_linear"):
-    rules = dense_rules(mc, always_head=True)
+    rules = dense_rules(mc, always_head=True, family=family)
     for i, (_, c) in enumerate(_layer_names(mc)):
         h, o = f"model.layers.{i}.self_attn.", f"blocks.{i}.mixer."
         rules += kda_rules(h, o, c) if c.kind == "kda" else mla_rules(h, o, c)
@@ -401,7 +496,6 @@ FAMILIES = {
 def family_of(mc):
     """The transformers family that can hold model config `mc` (ConvertError naming the option if none)."""
     kinds = {c.kind for _, c in _layer_names(mc)}
-    refuse(mc.mlp.kind == "swiglu", f"model.mlp.kind={mc.mlp.kind!r}: no conversion for this MLP yet")
     if kinds <= {"attn"}:
         return attn_family(mc)
     if kinds <= {"gdn", "attn"}:

@@ -30,6 +30,18 @@ HF_CONFIGS = {
                         q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                         linear_head_dim=8, linear_num_heads=4, mlp_layer_types=["dense"] * 4,
                         layer_types=["linear_attention"] * 3 + ["full_attention"]),
+    "qwen3_next_moe": dict(BASE, model_type="qwen3_next", num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                           linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                           linear_num_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8,
+                           shared_expert_intermediate_size=12, mlp_only_layers=[0], norm_topk_prob=False,
+                           num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"]),
+    "kimi_linear_moe": dict(BASE, model_type="kimi_linear", num_attention_heads=2, num_key_value_heads=2,
+                            q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                            linear_head_dim=8, linear_num_heads=2, num_hidden_layers=3,
+                            mlp_layer_types=["dense", "sparse", "sparse"], num_local_experts=6,
+                            num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=8,
+                            routed_scaling_factor=2.446, n_group=1, topk_group=1,
+                            layer_types=["linear_attention", "full_attention", "linear_attention"]),
     "kimi_linear_q_lora": dict(BASE, model_type="kimi_linear", num_attention_heads=2, num_key_value_heads=2,
                                q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                v_head_dim=6, linear_head_dim=8, linear_num_heads=2, num_hidden_layers=2,
@@ -47,6 +59,9 @@ def tiny_hf_model(name, folder, seed=0):
         for n, p in model.named_parameters():
             if p.dim() == 1 or "A_log" in n:  # norms, biases, gates' constants: away from their init
                 p.add_(0.2 * torch.randn_like(p))
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # the balancing bias: one that changes the routing
+                b.normal_(0, 0.05)
     model.save_pretrained(folder)
     return model
 
@@ -90,6 +105,17 @@ OUR_CONFIGS = {
                                "m": {"kind": "mla", "n_heads": 2, "kv_lora_rank": 16, "qk_nope_dim": 8,
                                      "qk_rope_dim": 4, "v_head_dim": 8, "rope": False}},
                     "pattern": ["k", "m"]},
+    "qwen3_next_moe": {"layers": {"g": {"kind": "gdn", "n_heads": 2, "head_dim": 8},
+                                  "a": {"kind": "attn", "n_heads": 2, "head_dim": 8, "qk_norm": True,
+                                        "output_gate": True, "rope_fraction": 0.25}},
+                       "pattern": ["g", "a"], "mlp": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 8,
+                                                      "n_shared": 1, "shared_hidden": 16, "shared_gate": True}},
+    "kimi_linear_moe": {"layers": {"k": {"kind": "kda", "n_heads": 2, "head_dim": 8},
+                                   "m": {"kind": "mla", "n_heads": 2, "kv_lora_rank": 16, "qk_nope_dim": 8,
+                                         "qk_rope_dim": 4, "v_head_dim": 8, "rope": False}},
+                        "pattern": ["k", "m"], "tie_embeddings": False,
+                        "mlp": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 8, "n_shared": 1,
+                                "router": "sigmoid", "routed_scale": 2.5, "first_k_dense": 1, "dense_hidden": 24}},
 }
 
 
@@ -104,6 +130,9 @@ def our_checkpoint(folder, model_cfg, **train):
         for n, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.2 * torch.randn_like(p))
+        for n, b in model.named_buffers():
+            if n.endswith("router_bias"):
+                b.normal_(0, 0.05)
     os.makedirs(folder, exist_ok=True)
     torch.save({"model": model.state_dict(), "step": 7, "config": raw}, os.path.join(folder, "ckpt_7.pt"))
     return model.eval()
@@ -114,7 +143,7 @@ def test_to_hf_matches_the_project_model(name, tmp_path):
     ours = our_checkpoint(tmp_path / "run", OUR_CONFIGS[name])
     assert convert.main(["to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
-    assert hf.config.model_type == name
+    assert hf.config.model_type == name.replace("_moe", "")
     idx = torch.randint(0, V, (2, 19), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert relative_error(hf(idx).logits, ours(idx)[0]) <= 1e-4
