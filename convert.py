@@ -12,6 +12,12 @@ Families (chosen from the config on the way out, from config.json's model_type o
     qwen3_next   Gated DeltaNet (value heads grouped over key heads) + gated attention (partial RoPE,
                  q/k norms); its RMSNorms are zero-centred, (1 + w) * x_hat: w_hf = w - 1 is a mapping
     kimi_linear  Kimi Delta Attention + MLA without positions (the qk_rope_dim key part kept, unrotated)
+    deepseek_v32 MLA (q_lora_rank, interleaved RoPE: a row permutation) + the DSA lightning indexer;
+                 an exact tie of index scores at the top-k boundary (all index heads' ReLU 0: rare with
+                 DeepSeek's 64 index heads) may pick other keys: ours takes the most recent, torch.topk's
+                 order is unspecified, so equal logits hold where no such tie occurs
+MoE converts for qwen3_next (softmax router, gated shared expert), kimi_linear and deepseek_v32 (sigmoid
+router with its balancing bias e_score_correction_bias, shared experts, routed scale, expert groups).
 A config no family can express is refused naming the option in the way; so is an HF folder of another
 family, a missing weight or a shape that does not fit: one line, exit 2, nothing written. Every output
 is written to a temporary name and renamed into place. Tokenizers are not converted.
@@ -433,11 +439,11 @@ def sigmoid_moe(hf, sparse):
     k = sparse.index(True)
     refuse(all(sparse[k:]), f"config.json: MoE layers after a dense one ({sparse}); only leading dense layers "
            f"convert (first_k_dense)")
-    refuse((hf.n_group or 1) == 1, f"config.json n_group={hf.n_group}: group-limited routing is not converted")
     return {"kind": "moe", "n_experts": hf.num_local_experts, "top_k": hf.num_experts_per_tok,
             "hidden": hf.moe_intermediate_size, "n_shared": hf.n_shared_experts, "router": "sigmoid",
             "norm_topk": bool(hf.norm_topk_prob), "routed_scale": float(hf.routed_scaling_factor),
-            "first_k_dense": k, "dense_hidden": hf.intermediate_size}
+            "first_k_dense": k, "dense_hidden": hf.intermediate_size, "n_group": hf.n_group or 1,
+            "topk_group": hf.topk_group or 1}
 
 
 def sigmoid_moe_hf(mc, family):
@@ -446,7 +452,7 @@ def sigmoid_moe_hf(mc, family):
     m = mc.mlp
     return dict(num_local_experts=m.n_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.hidden,
                 n_shared_experts=m.n_shared, norm_topk_prob=m.norm_topk, routed_scaling_factor=m.routed_scale,
-                n_group=1, topk_group=1, intermediate_size=m.dense_hidden)
+                n_group=m.n_group, topk_group=m.topk_group, intermediate_size=m.dense_hidden)
 
 
 def kimi_our_config(hf, family="kimi_linear"):
@@ -482,6 +488,87 @@ def kimi_alias(name):
 
 DISK_ALIASES = {"kimi_linear": kimi_alias}
 
+# deepseek_v32: MLA + DSA indexer in every layer, sigmoid MoE
+
+DEEPSEEK_EPS = 1e-6  # transformers' DeepSeek latent norms and the indexer's LayerNorm
+
+
+def rope_deinterleave(n):
+    """DeepSeek's main MLA rotates interleaved pairs (x0, x1), (x2, x3)..; ours half-split pairs
+    (x_i, x_{i+n/2}). Rows [0, 2, 4, .., 1, 3, ..] of theirs are ours (q.k is unchanged)."""
+    return torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+
+
+def permuted_rows(hf, ours, perm):
+    """Our rows = HF rows[perm]."""
+    inv = torch.argsort(perm)
+    return [hf], [ours], (lambda ts: [ts[0][inv]]), (lambda ts: [ts[0][perm]])
+
+
+def deepseek_mla_rules(h, o, c, interleave=True):
+    """MLA with q_lora_rank and the DSA indexer, the rope rows of q_b_proj and kv_a_proj_with_mqa
+    de-interleaved (rope_interleave: true, as DeepSeek's checkpoints are)."""
+    H, dn, dr, dc = c.n_heads, c.qk_nope_dim, c.qk_rope_dim, c.kv_lora_rank
+    rope = rope_deinterleave(dr) if interleave else torch.arange(dr)
+    q_perm = torch.cat([hd * (dn + dr) + torch.cat([torch.arange(dn), dn + rope]) for hd in range(H)])
+    kv_perm = torch.cat([torch.arange(dc), dc + rope])
+    rules = [same(h + "q_a_proj.weight", o + "wq_a.weight"), same(h + "q_a_layernorm.weight", o + "q_norm.weight"),
+             permuted_rows(h + "q_b_proj.weight", o + "wq_b.weight", q_perm),
+             permuted_rows(h + "kv_a_proj_with_mqa.weight", o + "wkv_a.weight", kv_perm),
+             same(h + "kv_a_layernorm.weight", o + "kv_norm.weight"),
+             same(h + "kv_b_proj.weight", o + "wkv_b.weight"), same(h + "o_proj.weight", o + "wo.weight")]
+    return rules + [same(h + "indexer.wq_b.weight", o + "indexer.wq.weight"),
+                    same(h + "indexer.wk.weight", o + "indexer.wk.weight"),
+                    same(h + "indexer.k_norm.weight", o + "indexer.k_norm.weight"),
+                    same(h + "indexer.k_norm.bias", o + "indexer.k_norm.bias"),
+                    same(h + "indexer.weights_proj.weight", o + "indexer.ww.weight")]
+
+
+def deepseek_hf_config(mc, family="deepseek_v32"):
+    name, m = _one_config(mc, "mla", family)
+    p = f"model.layers.{name}"
+    refuse(m.dsa is not None, f"{p}.dsa: null; {family} has the DSA indexer in every layer")
+    refuse(m.q_lora_rank is not None, f"{p}.q_lora_rank: null; {family}'s MLA projects queries through q_lora_rank")
+    refuse(m.rope, f"{p}.rope=false: {family}'s MLA has RoPE")
+    refuse(m.dsa.rope_dim == m.qk_rope_dim, f"{p}.dsa.rope_dim={m.dsa.rope_dim}: {family}'s indexer rotates "
+           f"qk_rope_dim={m.qk_rope_dim} dims")
+    refuse(mc.norm_eps == DEEPSEEK_EPS and m.norm_eps in (None, DEEPSEEK_EPS), f"model.norm_eps={mc.norm_eps!r}: "
+           f"{family} uses {DEEPSEEK_EPS} (also in its latent norms and indexer)")
+    cfg = _base_hf(mc, family, "DeepseekV32ForCausalLM")
+    cfg.update(num_attention_heads=m.n_heads, num_key_value_heads=m.n_heads, q_lora_rank=m.q_lora_rank,
+               kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_dim, qk_rope_head_dim=m.qk_rope_dim,
+               v_head_dim=m.v_head_dim, attention_bias=False,
+               rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+               index_n_heads=m.dsa.n_heads, index_head_dim=m.dsa.head_dim, index_topk=m.dsa.top_k,
+               mlp_layer_types=["sparse" if mc.mlp.is_moe(i) else "dense" for i in range(mc.n_layer)],
+               first_k_dense_replace=mc.mlp.first_k_dense if mc.mlp.kind == "moe" else mc.n_layer,
+               num_mtp_layers=0)
+    if mc.mlp.kind == "moe":
+        cfg.update(sigmoid_moe_hf(mc, family))
+        cfg["n_routed_experts"] = cfg.pop("num_local_experts")
+    return cfg
+
+
+def deepseek_our_config(hf, family="deepseek_v32"):
+    theta, _ = _rope(hf)
+    refuse(not getattr(hf, "attention_bias", False), "config.json attention_bias=true: not converted")
+    refuse(getattr(hf, "rope_interleave", True), "config.json rope_interleave=false: only DeepSeek's interleaved MLA RoPE converts")
+    mla = dict(kind="mla", n_heads=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
+               qk_nope_dim=hf.qk_nope_head_dim, qk_rope_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+               rope=True, rope_theta=theta, norm_eps=DEEPSEEK_EPS,
+               dsa=dict(n_heads=hf.index_n_heads, head_dim=hf.index_head_dim, rope_dim=hf.qk_rope_head_dim,
+                        top_k=hf.index_topk, stage="sparse"))
+    return dict(_base_ours(hf), pattern=["mla"], layers={"mla": mla}, norm_eps=hf.rms_norm_eps,
+                mlp=sigmoid_moe(hf, [t == "sparse" for t in hf.mlp_layer_types]))
+
+
+def deepseek_rules(mc, family="deepseek_v32"):
+    rules = dense_rules(mc, family=family)
+    for i, (_, c) in enumerate(_layer_names(mc)):
+        rules += deepseek_mla_rules(f"model.layers.{i}.self_attn.", f"blocks.{i}.mixer.", c)
+    return rules
+
+
 # family name -> (config.json from our model config, our model config from an HF config, weight table)
 FAMILIES = {
     "llama": (lambda mc: attn_hf_config(mc, "llama"), lambda hf: attn_our_config(hf, "llama"),
@@ -490,6 +577,7 @@ FAMILIES = {
               lambda mc: attn_rules_all(mc, "qwen3")),
     "qwen3_next": (qwen3_next_hf_config, qwen3_next_our_config, qwen3_next_rules),
     "kimi_linear": (kimi_hf_config, kimi_our_config, kimi_rules),
+    "deepseek_v32": (deepseek_hf_config, deepseek_our_config, deepseek_rules),
 }
 
 
@@ -500,6 +588,8 @@ def family_of(mc):
         return attn_family(mc)
     if kinds <= {"gdn", "attn"}:
         return "qwen3_next"
+    if kinds == {"mla"} and any(c.dsa is not None or c.rope for _, c in _layer_names(mc)):
+        return "deepseek_v32"
     if kinds <= {"kda", "mla"}:
         return "kimi_linear"
     names = {c.kind: n for n, c in _layer_names(mc)}

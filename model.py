@@ -211,6 +211,8 @@ class MLPConfig:
     router: str = "softmax"             # moe: softmax (Qwen3-Next) | sigmoid (DeepSeek-V3: + balancing bias)
     norm_topk: bool = True              # moe: renormalise the top-k weights to sum to 1
     routed_scale: float = 1.0           # moe: multiplies the routed output (DeepSeek-V3 2.5, Kimi 2.446)
+    n_group: int = 1                    # moe: group-limited routing (DeepSeek-V3: 8 groups, the best
+    topk_group: int = 1                 #      topk_group by their top-2 score sum hold the chosen experts)
     first_k_dense: int = 0              # moe: the first k layers keep a dense SwiGLU of dense_hidden
     dense_hidden: Optional[int] = None  # moe: None = 8/3 d_model rounded up to a multiple of 64
     bias_update_rate: float = 0.001     # moe, sigmoid: the balancing bias step per optimizer step
@@ -234,6 +236,11 @@ class MLPConfig:
                 self.shared_gate)
         _one_of(f"{path}.router", self.router, ROUTERS)
         require(self.routed_scale > 0, f"{path}.routed_scale", "> 0", self.routed_scale)
+        require(self.n_group >= 1 and self.n_experts % self.n_group == 0 and
+                (self.n_group == 1 or self.n_experts // self.n_group >= 2), f"{path}.n_group",
+                f"a divisor of n_experts={self.n_experts} leaving >= 2 experts per group", self.n_group)
+        require(1 <= self.topk_group <= self.n_group and self.top_k <= self.topk_group * self.n_experts // self.n_group,
+                f"{path}.topk_group", f"in [1, n_group={self.n_group}], holding >= top_k experts", self.topk_group)
         require(0 <= self.first_k_dense <= model.n_layer, f"{path}.first_k_dense",
                 f"in [0, n_layer={model.n_layer}]", self.first_k_dense)
         if self.dense_hidden is None:
@@ -380,6 +387,11 @@ class MoE(nn.Module):
         logits = self.router(x).float()                                     # [N, E]
         scores = logits.softmax(-1) if c.router == "softmax" else logits.sigmoid()
         choice = scores if c.router == "softmax" else scores + self.router_bias
+        if c.n_group > 1:  # only experts of the topk_group groups with the best top-2 sums compete
+            groups = choice.view(-1, c.n_group, c.n_experts // c.n_group)      # [N, G, E/G]
+            best = groups.topk(2, dim=-1).values.sum(-1).topk(c.topk_group, dim=-1).indices
+            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, best, True)
+            choice = groups.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
         ids = choice.topk(c.top_k, dim=-1).indices
         w = scores.gather(1, ids)
         if c.norm_topk:

@@ -42,6 +42,12 @@ HF_CONFIGS = {
                             num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=8,
                             routed_scaling_factor=2.446, n_group=1, topk_group=1,
                             layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    "deepseek_v32": dict(BASE, model_type="deepseek_v32", num_attention_heads=2, num_key_value_heads=2,
+                         q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                         index_n_heads=8, index_head_dim=8, index_topk=5, num_hidden_layers=3,
+                         first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                         moe_intermediate_size=8, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                         num_mtp_layers=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "kimi_linear_q_lora": dict(BASE, model_type="kimi_linear", num_attention_heads=2, num_key_value_heads=2,
                                q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                v_head_dim=6, linear_head_dim=8, linear_num_heads=2, num_hidden_layers=2,
@@ -75,8 +81,29 @@ def hf_greedy(model, idx, n):
     return out[:, idx.shape[1]:]
 
 
+@pytest.fixture
+def no_index_ties(monkeypatch):
+    """DSA's top-k under an exact tie of index scores is unspecified (torch.topk's order in transformers;
+    ours takes the most recent key). A tie is exact when every index head's ReLU is 0, likely with a few
+    index heads (1 in 2^H_I pairs), hence 8-16 here. The comparisons hold where no tie straddles a top-k
+    boundary; this fixture fails the test if one did, rather than let it pass or fail by chance."""
+    import model
+    real, ties = model.topk_select, []
+
+    def checked(scores, qpos, k):
+        S = scores.shape[-1]
+        if k < S:
+            seen = scores.masked_fill(torch.arange(S)[None, None, :] > qpos[None, :, None], float("-inf"))
+            top = seen.topk(k + 1, dim=-1).values
+            ties.append(bool(((top[..., k - 1] == top[..., k]) & (top[..., k] > float("-inf"))).any()))
+        return real(scores, qpos, k)
+    monkeypatch.setattr(model, "topk_select", checked)
+    yield
+    assert not any(ties), "an exact tie of index scores at a top-k boundary: the comparison is by chance"
+
+
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
-def test_from_hf_and_back_matches_transformers(name, tmp_path):
+def test_from_hf_and_back_matches_transformers(name, tmp_path, no_index_ties):
     hf = tiny_hf_model(name, tmp_path / "hf")
     assert convert.main(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 0
     ours, _ = load_model(str(tmp_path / "ours"))
@@ -110,6 +137,12 @@ OUR_CONFIGS = {
                                         "output_gate": True, "rope_fraction": 0.25}},
                        "pattern": ["g", "a"], "mlp": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 8,
                                                       "n_shared": 1, "shared_hidden": 16, "shared_gate": True}},
+    "deepseek_v32": {"layers": {"m": {"kind": "mla", "n_heads": 2, "q_lora_rank": 12, "kv_lora_rank": 16,
+                                      "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 8,
+                                      "dsa": {"n_heads": 16, "head_dim": 8, "rope_dim": 4, "top_k": 6}}},
+                     "pattern": ["m"], "tie_embeddings": False,
+                     "mlp": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 8, "n_shared": 1, "n_group": 2,
+                             "topk_group": 1, "router": "sigmoid", "routed_scale": 2.5, "first_k_dense": 1}},
     "kimi_linear_moe": {"layers": {"k": {"kind": "kda", "n_heads": 2, "head_dim": 8},
                                    "m": {"kind": "mla", "n_heads": 2, "kv_lora_rank": 16, "qk_nope_dim": 8,
                                          "qk_rope_dim": 4, "v_head_dim": 8, "rope": False}},
@@ -139,7 +172,7 @@ def our_checkpoint(folder, model_cfg, **train):
 
 
 @pytest.mark.parametrize("name", list(OUR_CONFIGS))
-def test_to_hf_matches_the_project_model(name, tmp_path):
+def test_to_hf_matches_the_project_model(name, tmp_path, no_index_ties):
     ours = our_checkpoint(tmp_path / "run", OUR_CONFIGS[name])
     assert convert.main(["to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
@@ -222,6 +255,12 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
                  "m": {"kind": "mla", "n_heads": 2, "kv_lora_rank": 16, "qk_nope_dim": 8, "qk_rope_dim": 4,
                        "v_head_dim": 8}}, "pattern": ["k", "m"]},
      "error: model.layers.m.rope=true: kimi_linear's MLA has no positions"),
+    ({"layers": {"m": {"kind": "mla", "n_heads": 2, "q_lora_rank": 12, "kv_lora_rank": 16, "qk_nope_dim": 8,
+                       "qk_rope_dim": 4, "v_head_dim": 8}}, "pattern": ["m"]},
+     "error: model.layers.m.dsa: null; deepseek_v32 has the DSA indexer in every layer"),
+    ({"layers": {"m": {"kind": "mla", "n_heads": 2, "q_lora_rank": 12, "kv_lora_rank": 16, "qk_nope_dim": 8,
+                       "qk_rope_dim": 4, "v_head_dim": 8, "dsa": {"n_heads": 4, "head_dim": 8, "rope_dim": 2}}},
+      "pattern": ["m"]}, "error: model.layers.m.dsa.rope_dim=2: deepseek_v32's indexer rotates qk_rope_dim=4"),
 ])
 def test_config_no_family_expresses_is_refused(model_cfg, message, tmp_path, capsys):
     our_checkpoint(tmp_path / "run", model_cfg)

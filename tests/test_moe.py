@@ -21,6 +21,7 @@ ROUTERS = {
     "softmax": dict(MOE, n_shared=1, shared_hidden=24, shared_gate=True),
     "softmax_unnormalised": dict(MOE, norm_topk=False),
     "sigmoid": dict(MOE, router="sigmoid", n_shared=2, routed_scale=2.5, first_k_dense=1, dense_hidden=40),
+    "sigmoid_grouped": dict(MOE, n_experts=6, router="sigmoid", n_group=3, topk_group=2),
 }
 
 
@@ -31,7 +32,15 @@ def naive_moe(moe, x):
     for xt in x.reshape(-1, x.shape[-1]):
         logits = moe.router.weight.float() @ xt.float()
         scores = logits.softmax(-1) if c.router == "softmax" else logits.sigmoid()
-        chosen = torch.topk(scores + (0 if c.router == "softmax" else moe.router_bias), c.top_k).indices
+        choice = scores + (0 if c.router == "softmax" else moe.router_bias)
+        if c.n_group > 1:  # per group the sum of its best two; experts outside the best groups cannot win
+            size = c.n_experts // c.n_group
+            sums = torch.stack([choice[g * size:(g + 1) * size].sort(descending=True).values[:2].sum()
+                                for g in range(c.n_group)])
+            kept = set(sums.argsort(descending=True)[:c.topk_group].tolist())
+            choice = torch.stack([choice[e] if e // size in kept else torch.tensor(float("-inf"))
+                                  for e in range(c.n_experts)])
+        chosen = torch.topk(choice, c.top_k).indices
         w = scores[chosen] / (scores[chosen].sum() if c.norm_topk else 1) * c.routed_scale
         y = sum(w[j] * (F.silu(moe.w1[e] @ xt) * (moe.w3[e] @ xt)) @ moe.w2[e].T for j, e in enumerate(chosen.tolist()))
         if moe.shared is not None:
@@ -100,6 +109,8 @@ def test_balancing_bias_moves_load_toward_the_underused_experts():
     (dict(MOE, shared_gate=True), "model.mlp.shared_gate: must be false without shared experts"),
     (dict(MOE, first_k_dense=3), "model.mlp.first_k_dense: must be in [0, n_layer=2]"),
     ({"kind": "experts"}, "model.mlp.kind: must be one of swiglu, moe"),
+    (dict(MOE, n_group=2), "model.mlp.n_group: must be a divisor of n_experts=5"),
+    (dict(MOE, n_experts=6, n_group=3, topk_group=4), "model.mlp.topk_group: must be in [1, n_group=3]"),
 ])
 def test_bad_moe_config_is_refused_in_one_line(mlp, message):
     with pytest.raises(ConfigError) as e:
