@@ -165,8 +165,10 @@ def _mlp_cost(mlp, d, n_layer):
     k_dense = _get(mlp, "first_k_dense", 0)
     dense = 3 * d * _get(mlp, "dense_hidden") * k_dense
     expert, E = 3 * d * _get(mlp, "hidden"), _get(mlp, "n_experts")
+    bias = _get(mlp, "bias", False)
+    expert += (2 * _get(mlp, "hidden") + d) if bias else 0                              # gpt-oss's biases
     shared_hidden = _get(mlp, "shared_hidden") or _get(mlp, "n_shared", 0) * _get(mlp, "hidden")
-    always = 3 * d * shared_hidden + (d if _get(mlp, "shared_gate") else 0) + d * E  # shared + gate + router
+    always = 3 * d * shared_hidden + (d if _get(mlp, "shared_gate") else 0) + (d + bias) * E  # shared + gate + router
     n_moe = n_layer - k_dense
     return dense + n_moe * (E * expert + always), dense + n_moe * (_get(mlp, "top_k") * expert + always)
 

@@ -216,6 +216,10 @@ class MLPConfig:
     first_k_dense: int = 0              # moe: the first k layers keep a dense SwiGLU of dense_hidden
     dense_hidden: Optional[int] = None  # moe: None = 8/3 d_model rounded up to a multiple of 64
     bias_update_rate: float = 0.001     # moe, sigmoid: the balancing bias step per optimizer step
+    bias: bool = False                  # moe: biases on the router and the routed experts' matmuls (gpt-oss)
+    expert_act: str = "swiglu"          # moe, routed experts: swiglu, silu(g) * u | swiglu_clamped (gpt-oss):
+    swiglu_alpha: float = 1.702         #   g = min(g, limit), u = clamp(u, -limit, limit),
+    swiglu_limit: float = 7.0           #   g * sigmoid(alpha * g) * (u + 1)
 
     def check(self, path, model):
         _one_of(f"{path}.kind", self.kind, MLP_KINDS)
@@ -247,6 +251,8 @@ class MLPConfig:
             self.dense_hidden = default
         positive(f"{path}.dense_hidden", self.dense_hidden)
         require(self.bias_update_rate >= 0, f"{path}.bias_update_rate", ">= 0", self.bias_update_rate)
+        _one_of(f"{path}.expert_act", self.expert_act, EXPERT_ACTS)
+        require(self.swiglu_limit > 0, f"{path}.swiglu_limit", "> 0", self.swiglu_limit)
 
     def is_moe(self, layer):
         return self.kind == "moe" and layer >= self.first_k_dense
@@ -258,6 +264,7 @@ class MLPConfig:
 
 MLP_KINDS = ("swiglu", "moe")
 ROUTERS = ("softmax", "sigmoid")
+EXPERT_ACTS = ("swiglu", "swiglu_clamped")
 
 
 # kind -> (config dataclass, mixer module); other mixers register themselves further down.
@@ -361,16 +368,21 @@ class MoE(nn.Module):
     Assignments are sorted by expert and each expert runs one matmul over its tokens (a loop over
     experts, none over tokens); no capacity: no token is dropped. The sigmoid router's bias is a
     buffer nudged by update_router_bias() outside the gradient (DeepSeek-V3's auxiliary-loss-free
-    balancing); `load` counts the assignments per expert since the last update."""
+    balancing); `load` counts the assignments per expert since the last update. `bias` adds learned
+    biases to the router and the experts, `expert_act: swiglu_clamped` gpt-oss's expert activation."""
 
     def __init__(self, cfg: MLPConfig, d_model, init_std):
         super().__init__()
         self.cfg, self.init_std = cfg, init_std
         E, h = cfg.n_experts, cfg.hidden
-        self.router = nn.Linear(d_model, E, bias=False)
+        self.router = nn.Linear(d_model, E, bias=cfg.bias)
         self.w1 = nn.Parameter(torch.empty(E, h, d_model))                 # gate   [E, hidden, d]
         self.w3 = nn.Parameter(torch.empty(E, h, d_model))                 # up     [E, hidden, d]
         self.w2 = nn.Parameter(torch.empty(E, d_model, h))                 # down   [E, d, hidden]
+        if cfg.bias:                                                       # their biases (gpt-oss)
+            self.b1, self.b3, self.b2 = (nn.Parameter(torch.zeros(E, n)) for n in (h, h, d_model))
+            for b in (self.b1, self.b3, self.b2):
+                b.no_weight_decay = True
         self.register_buffer("router_bias", torch.zeros(E), persistent=cfg.router == "sigmoid")
         self.register_buffer("load", torch.zeros(E), persistent=False)
         self.shared = SwiGLU(d_model, cfg.shared_hidden) if cfg.n_shared else None
@@ -380,6 +392,23 @@ class MoE(nn.Module):
         for w in (self.w1, self.w3):
             nn.init.normal_(w, 0.0, self.init_std)
         nn.init.normal_(self.w2, 0.0, self.init_std / math.sqrt(2 * n_layer))
+        if self.cfg.bias:
+            for b in (self.b1, self.b3, self.b2):
+                nn.init.zeros_(b)
+
+    def expert(self, e, xe):
+        """Routed expert e on its tokens xe [n, d] -> [n, d]."""
+        c = self.cfg
+        g, u = xe @ self.w1[e].T, xe @ self.w3[e].T
+        if c.bias:
+            g, u = g + self.b1[e], u + self.b3[e]
+        if c.expert_act == "swiglu":
+            h = F.silu(g) * u
+        else:  # gpt-oss: clamped, sigmoid gain alpha, up shifted by one
+            g, u = g.clamp(max=c.swiglu_limit), u.clamp(-c.swiglu_limit, c.swiglu_limit)
+            h = g * torch.sigmoid(c.swiglu_alpha * g) * (u + 1)
+        y = h @ self.w2[e].T
+        return y + self.b2[e] if c.bias else y
 
     def route(self, x):
         """x [N, d] -> expert ids [N, k], weights [N, k] (fp32)."""
@@ -409,8 +438,8 @@ class MoE(nn.Module):
         if self.training:
             self.load += counts.to(self.load.dtype)
         xs = xf[token]                                                      # [N*k, d] grouped by expert
-        ys = [F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T) @ self.w2[e].T  # every expert, even empty:
-              for e, xe in enumerate(xs.split(counts.tolist()))]            # each weight gets a gradient
+        ys = [self.expert(e, xe) for e, xe in enumerate(xs.split(counts.tolist()))]  # every expert, even
+                                                                            # empty: each weight gets a gradient
         ys = torch.cat(ys) * w.reshape(-1)[order, None].to(x.dtype)
         out = torch.zeros_like(xf).index_add_(0, token, ys)                 # [N, d]
         if self.shared is not None:

@@ -22,7 +22,23 @@ ROUTERS = {
     "softmax_unnormalised": dict(MOE, norm_topk=False),
     "sigmoid": dict(MOE, router="sigmoid", n_shared=2, routed_scale=2.5, first_k_dense=1, dense_hidden=40),
     "sigmoid_grouped": dict(MOE, n_experts=6, router="sigmoid", n_group=3, topk_group=2),
+    "gpt_oss": dict(MOE, bias=True, expert_act="swiglu_clamped", swiglu_alpha=1.702, swiglu_limit=0.1),
 }
+
+
+def oai_swiglu(g, u, alpha, limit):
+    """gpt-oss's expert activation, as its reference writes it."""
+    g, u = torch.minimum(g, torch.tensor(limit)), torch.maximum(torch.minimum(u, torch.tensor(limit)),
+                                                                torch.tensor(-limit))
+    return g * torch.sigmoid(alpha * g) * (u + 1)
+
+
+def naive_expert(moe, e, xt):
+    c = moe.cfg
+    if not c.bias:
+        return (F.silu(moe.w1[e] @ xt) * (moe.w3[e] @ xt)) @ moe.w2[e].T
+    h = oai_swiglu(moe.w1[e] @ xt + moe.b1[e], moe.w3[e] @ xt + moe.b3[e], c.swiglu_alpha, c.swiglu_limit)
+    return moe.w2[e] @ h + moe.b2[e]
 
 
 def naive_moe(moe, x):
@@ -30,7 +46,7 @@ def naive_moe(moe, x):
     c = moe.cfg
     out = []
     for xt in x.reshape(-1, x.shape[-1]):
-        logits = moe.router.weight.float() @ xt.float()
+        logits = moe.router.weight.float() @ xt.float() + (moe.router.bias if c.bias else 0)
         scores = logits.softmax(-1) if c.router == "softmax" else logits.sigmoid()
         choice = scores + (0 if c.router == "softmax" else moe.router_bias)
         if c.n_group > 1:  # per group the sum of its best two; experts outside the best groups cannot win
@@ -42,7 +58,7 @@ def naive_moe(moe, x):
                                   for e in range(c.n_experts)])
         chosen = torch.topk(choice, c.top_k).indices
         w = scores[chosen] / (scores[chosen].sum() if c.norm_topk else 1) * c.routed_scale
-        y = sum(w[j] * (F.silu(moe.w1[e] @ xt) * (moe.w3[e] @ xt)) @ moe.w2[e].T for j, e in enumerate(chosen.tolist()))
+        y = sum(w[j] * naive_expert(moe, e, xt) for j, e in enumerate(chosen.tolist()))
         if moe.shared is not None:
             s = moe.shared(xt)
             y = y + (torch.sigmoid(moe.shared_gate(xt)) * s if moe.shared_gate is not None else s)
@@ -57,6 +73,9 @@ def test_grouped_experts_equal_token_by_token_forward_and_backward(name):
     assert isinstance(moe, MoE)
     with torch.no_grad():
         moe.router_bias.normal_(0, 0.1)  # a bias that changes the selection (sigmoid router)
+        if moe.cfg.bias:  # learned biases away from 0; gate/up ones large enough that the clamp binds
+            for b in (moe.router.bias, moe.b1, moe.b3, moe.b2):
+                b.normal_(0, 0.1)
     x = torch.randn(2, 7, 32, requires_grad=True)
     y = moe(x)
     ref = naive_moe(moe, x)
@@ -109,6 +128,7 @@ def test_balancing_bias_moves_load_toward_the_underused_experts():
     (dict(MOE, shared_gate=True), "model.mlp.shared_gate: must be false without shared experts"),
     (dict(MOE, first_k_dense=3), "model.mlp.first_k_dense: must be in [0, n_layer=2]"),
     ({"kind": "experts"}, "model.mlp.kind: must be one of swiglu, moe"),
+    (dict(MOE, expert_act="gelu"), "model.mlp.expert_act: must be one of swiglu, swiglu_clamped"),
     (dict(MOE, n_group=2), "model.mlp.n_group: must be a divisor of n_experts=5"),
     (dict(MOE, n_experts=6, n_group=3, topk_group=4), "model.mlp.topk_group: must be in [1, n_group=3]"),
 ])
@@ -170,7 +190,8 @@ def test_cost_counts_all_and_active_parameters(name):
     cfg = model.config
     assert cost.num_params(cfg) == model.num_params()
     c = cfg.mlp
-    idle = (c.n_experts - c.top_k) * 3 * 32 * c.hidden * (2 - c.first_k_dense)  # experts a token skips
+    expert = 3 * 32 * c.hidden + ((2 * c.hidden + 32) if c.bias else 0)
+    idle = (c.n_experts - c.top_k) * expert * (2 - c.first_k_dense)  # experts a token skips
     assert cost.active_params(cfg) == model.num_params() - idle
     dense = make_model(ATTN, n_layer=2)
     assert cost.active_params(dense.config) == cost.num_params(dense.config) == dense.num_params()
