@@ -16,6 +16,9 @@ Families (chosen from the config on the way out, from config.json's model_type o
                  an exact tie of index scores at the top-k boundary (all index heads' ReLU 0: rare with
                  DeepSeek's 64 index heads) may pick other keys: ours takes the most recent, torch.topk's
                  order is unspecified, so equal logits hold where no such tie occurs
+    gpt_oss      softmax attention with learned sinks and biases, sliding-window and global layers, an MoE in
+                 every layer (softmax over the top-k router logits, router and expert biases, the clamped
+                 SwiGLU: mlp.bias + mlp.expert_act: swiglu_clamped); YaRN RoPE does not convert
 MoE converts for qwen3_next (softmax router, gated shared expert), kimi_linear and deepseek_v32 (sigmoid
 router with its balancing bias e_score_correction_bias, shared experts, routed scale, expert groups).
 A config no family can express is refused naming the option in the way; so is an HF folder of another
@@ -23,6 +26,7 @@ family, a missing weight or a shape that does not fit: one line, exit 2, nothing
 is written to a temporary name and renamed into place. Tokenizers are not converted.
 """
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -232,7 +236,7 @@ def _no(path, value, family, what):
 
 def _check_dense_mlp(mc, family):
     refuse(mc.mlp.kind == "swiglu", f"model.mlp.kind={mc.mlp.kind!r}: {family} has no MoE (qwen3_next, "
-           f"kimi_linear and deepseek_v32 have)")
+           f"kimi_linear, deepseek_v32 and gpt_oss have)")
 
 
 def _check_moe(mc, family, router, shared_gate, shared_is_n_times_hidden):
@@ -291,6 +295,8 @@ def _rope(hf, fraction_key=None):
 # llama / qwen3: softmax attention in every layer
 
 def attn_family(mc):
+    if any(c.sinks for _, c in _layer_names(mc)) or mc.mlp.kind == "moe" and mc.mlp.expert_act == "swiglu_clamped":
+        return "gpt_oss"
     name, c = _one_config(mc, "attn", "llama")
     return "qwen3" if c.qk_norm else "llama"
 
@@ -569,6 +575,77 @@ def deepseek_rules(mc, family="deepseek_v32"):
     return rules
 
 
+# gpt_oss: softmax attention with sinks and biases, sliding-window and global layers, an MoE everywhere
+
+def gpt_oss_hf_config(mc, family="gpt_oss"):
+    layers = _layer_names(mc)
+    (n0, c0), p = layers[0], "model.layers."
+    for name, c in layers:
+        refuse(c.sinks, f"{p}{name}.sinks=false: {family} has attention sinks in every layer")
+        _attn_common(name, dataclasses.replace(c, window=None, sinks=False), family, gate=False, qk_norm=False)
+        refuse(dataclasses.replace(c, window=None) == dataclasses.replace(c0, window=None), f"{p}{name}: {family}'s "
+               f"layers differ only in their window; it differs from {p}{n0} in more")
+    windows = sorted({c.window for _, c in layers if c.window is not None})
+    refuse(len(windows) <= 1, f"{p}*.window={windows}: {family} has one sliding_window for all its sliding layers")
+    m, q = mc.mlp, "model.mlp"
+    refuse(m.kind == "moe", f"{q}.kind={m.kind!r}: {family} has an MoE in every layer (no dense MLP)")
+    for key, want in (("router", "softmax"), ("norm_topk", True), ("n_shared", 0), ("routed_scale", 1.0),
+                      ("n_group", 1), ("first_k_dense", 0), ("bias", True), ("expert_act", "swiglu_clamped")):
+        refuse(getattr(m, key) == want, f"{q}.{key}={getattr(m, key)!r}: {family}'s MoE has {key}={want!r}")
+    cfg = _base_hf(mc, family, "GptOssForCausalLM")
+    cfg.update(intermediate_size=m.hidden, num_local_experts=m.n_experts, num_experts_per_tok=m.top_k,
+               swiglu_alpha=m.swiglu_alpha, swiglu_limit=m.swiglu_limit,
+               layer_types=["full_attention" if c.window is None else "sliding_attention" for _, c in layers],
+               sliding_window=windows[0] if windows else None, num_attention_heads=c0.n_heads,
+               num_key_value_heads=c0.n_kv_heads, head_dim=c0.head_dim, attention_bias=c0.bias,
+               rope_parameters={"rope_type": "default", "rope_theta": c0.rope_theta})
+    return cfg
+
+
+def gpt_oss_our_config(hf, family="gpt_oss"):
+    theta, _ = _rope(hf)
+    full = dict(kind="attn", n_heads=hf.num_attention_heads, n_kv_heads=hf.num_key_value_heads, head_dim=hf.head_dim,
+                rope_theta=theta, sinks=True, bias=bool(hf.attention_bias))
+    layers = {"full": full, "sliding": dict(full, window=hf.sliding_window)}
+    types = {"full_attention": "full", "sliding_attention": "sliding"}
+    for t in hf.layer_types:
+        refuse(t in types, f"config.json layer_types: {t!r} is not a gpt_oss layer this converter knows")
+    pattern = [types[t] for t in hf.layer_types]
+    mlp = dict(kind="moe", n_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok, hidden=hf.intermediate_size,
+               router="softmax", norm_topk=True, bias=True, expert_act="swiglu_clamped",
+               swiglu_alpha=float(hf.swiglu_alpha), swiglu_limit=float(hf.swiglu_limit))
+    return dict(_base_ours(hf), pattern=pattern, layers={k: v for k, v in layers.items() if k in pattern}, mlp=mlp)
+
+
+def gpt_oss_moe_rules(h, o):
+    """gpt-oss's experts: gate_up_proj [E, d, 2h] with gate and up columns alternating, down_proj [E, h, d]
+    (ours: w1, w3 [E, h, d], w2 [E, d, h]); the same for their biases."""
+    def gate_up_to_hf(ts):
+        return [torch.stack([t.transpose(-1, -2) if t.dim() == 3 else t for t in ts], -1).flatten(-2)]
+
+    def gate_up_from_hf(ts):
+        g, u = ts[0][..., ::2], ts[0][..., 1::2]
+        return [g.transpose(-1, -2), u.transpose(-1, -2)] if g.dim() == 3 else [g, u]
+    x = f"{h}mlp.experts."
+    return [same(f"{h}mlp.router.weight", f"{o}router.weight"), same(f"{h}mlp.router.bias", f"{o}router.bias"),
+            ([x + "gate_up_proj"], [o + "w1", o + "w3"], gate_up_to_hf, gate_up_from_hf),
+            ([x + "gate_up_proj_bias"], [o + "b1", o + "b3"], gate_up_to_hf, gate_up_from_hf),
+            ([x + "down_proj"], [o + "w2"], lambda ts: [ts[0].transpose(1, 2)], lambda ts: [ts[0].transpose(1, 2)]),
+            same(x + "down_proj_bias", o + "b2")]
+
+
+def gpt_oss_rules(mc, family="gpt_oss"):
+    rules = [same("model.embed_tokens.weight", "wte.weight"), same("model.norm.weight", "norm_f.weight")]
+    if not mc.tie_embeddings:
+        rules.append(same("lm_head.weight", "lm_head.weight"))
+    for i, (_, c) in enumerate(_layer_names(mc)):
+        h, o = f"model.layers.{i}.", f"blocks.{i}."
+        rules += [same(h + "input_layernorm.weight", o + "norm1.weight"),
+                  same(h + "post_attention_layernorm.weight", o + "norm2.weight")]
+        rules += attn_rules(h + "self_attn.", o + "mixer.", c) + gpt_oss_moe_rules(h, o + "mlp.")
+    return rules
+
+
 # family name -> (config.json from our model config, our model config from an HF config, weight table)
 FAMILIES = {
     "llama": (lambda mc: attn_hf_config(mc, "llama"), lambda hf: attn_our_config(hf, "llama"),
@@ -578,6 +655,7 @@ FAMILIES = {
     "qwen3_next": (qwen3_next_hf_config, qwen3_next_our_config, qwen3_next_rules),
     "kimi_linear": (kimi_hf_config, kimi_our_config, kimi_rules),
     "deepseek_v32": (deepseek_hf_config, deepseek_our_config, deepseek_rules),
+    "gpt_oss": (gpt_oss_hf_config, gpt_oss_our_config, gpt_oss_rules),
 }
 
 

@@ -48,6 +48,10 @@ HF_CONFIGS = {
                          first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                          moe_intermediate_size=8, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                          num_mtp_layers=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "gpt_oss": dict(BASE, model_type="gpt_oss", num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                    swiglu_limit=0.5, tie_word_embeddings=False,  # a limit the clamp reaches; a window decode passes
+                    rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
     "kimi_linear_q_lora": dict(BASE, model_type="kimi_linear", num_attention_heads=2, num_key_value_heads=2,
                                q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                v_head_dim=6, linear_head_dim=8, linear_num_heads=2, num_hidden_layers=2,
@@ -63,7 +67,7 @@ def tiny_hf_model(name, folder, seed=0):
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if p.dim() == 1 or "A_log" in n:  # norms, biases, gates' constants: away from their init
+            if p.dim() == 1 or "A_log" in n or n.endswith("_bias"):  # norms, biases, gates' constants, sinks
                 p.add_(0.2 * torch.randn_like(p))
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):  # the balancing bias: one that changes the routing
@@ -143,6 +147,11 @@ OUR_CONFIGS = {
                      "pattern": ["m"], "tie_embeddings": False,
                      "mlp": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 8, "n_shared": 1, "n_group": 2,
                              "topk_group": 1, "router": "sigmoid", "routed_scale": 2.5, "first_k_dense": 1}},
+    "gpt_oss": {"layers": {"s": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "window": 4, "sinks": True, "bias": True},
+                           "f": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "sinks": True, "bias": True}},
+                "pattern": ["s", "f"], "tie_embeddings": False,
+                "mlp": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 16, "bias": True,
+                        "expert_act": "swiglu_clamped", "swiglu_limit": 0.1}},
     "kimi_linear_moe": {"layers": {"k": {"kind": "kda", "n_heads": 2, "head_dim": 8},
                                    "m": {"kind": "mla", "n_heads": 2, "kv_lora_rank": 16, "qk_nope_dim": 8,
                                          "qk_rope_dim": 4, "v_head_dim": 8, "rope": False}},
@@ -161,7 +170,7 @@ def our_checkpoint(folder, model_cfg, **train):
     model = convert.GPT(from_raw(raw).model)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or n.endswith((".b1", ".b2", ".b3")):  # norms, biases, sinks
                 p.add_(0.2 * torch.randn_like(p))
         for n, b in model.named_buffers():
             if n.endswith("router_bias"):
@@ -261,9 +270,30 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
     ({"layers": {"m": {"kind": "mla", "n_heads": 2, "q_lora_rank": 12, "kv_lora_rank": 16, "qk_nope_dim": 8,
                        "qk_rope_dim": 4, "v_head_dim": 8, "dsa": {"n_heads": 4, "head_dim": 8, "rope_dim": 2}}},
       "pattern": ["m"]}, "error: model.layers.m.dsa.rope_dim=2: deepseek_v32's indexer rotates qk_rope_dim=4"),
+    ({"layers": {"a": {"kind": "attn", "n_heads": 4, "sinks": True}}, "pattern": ["a"]},
+     "error: model.mlp.kind='swiglu': gpt_oss has an MoE in every layer (no dense MLP)"),
+    ({"layers": {"a": {"kind": "attn", "n_heads": 4, "sinks": True}}, "pattern": ["a"],
+      "mlp": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 8}}, "error: model.mlp.bias=False: gpt_oss's MoE "
+     "has bias=True"),
+    ({"layers": {"s": {"kind": "attn", "n_heads": 4, "window": 4, "sinks": True},
+                 "f": {"kind": "attn", "n_heads": 2, "sinks": True}}, "pattern": ["s", "f"],
+      "mlp": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 8, "bias": True, "expert_act": "swiglu_clamped"}},
+     "error: model.layers.f: gpt_oss's layers differ only in their window; it differs from model.layers.s in more"),
 ])
 def test_config_no_family_expresses_is_refused(model_cfg, message, tmp_path, capsys):
     our_checkpoint(tmp_path / "run", model_cfg)
     code, err = run_cli(["to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")], capsys)
     assert code == 2 and err.startswith(message) and "\n" not in err, err
     assert not os.path.exists(tmp_path / "hf")
+
+
+def test_gpt_oss_with_yarn_rope_is_refused(tmp_path, capsys):
+    """gpt-oss as published stretches RoPE with YaRN (factor 32); the project has plain RoPE only."""
+    cfg = {k: v for k, v in HF_CONFIGS["gpt_oss"].items() if k not in ("model_type", "rope_parameters")}
+    transformers.GptOssConfig(**cfg).save_pretrained(tmp_path / "hf")
+    from safetensors.torch import save_file
+    save_file({"model.norm.weight": torch.ones(32)}, tmp_path / "hf" / "model.safetensors")
+    code, err = run_cli(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and err == "error: config.json rope_parameters.rope_type='yarn': only default RoPE converts " \
+        "(no scaling)", err
+    assert not os.path.exists(tmp_path / "out")
