@@ -242,6 +242,10 @@ def _check_dense_mlp(mc, family):
 def _check_moe(mc, family, router, shared_gate, shared_is_n_times_hidden):
     m, p = mc.mlp, "model.mlp"
     refuse(m.router == router, f"{p}.router={m.router!r}: {family} routes with {router}")
+    refuse(not m.bias, f"{p}.bias=true: {family}'s router and experts have no biases (gpt_oss has)")
+    refuse(m.expert_act == "swiglu", f"{p}.expert_act={m.expert_act!r}: {family}'s experts are plain SwiGLU")
+    if router == "softmax":
+        refuse(m.n_group == 1, f"{p}.n_group={m.n_group}: {family} has no group-limited routing")
     refuse(m.shared_gate == shared_gate, f"{p}.shared_gate={m.shared_gate!r}: {family} has "
            + ("a gated shared expert" if shared_gate else "no shared-expert gate"))
     refuse(m.n_shared >= 1, f"{p}.n_shared=0: {family} always has a shared expert")
