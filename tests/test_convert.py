@@ -302,3 +302,21 @@ def test_gpt_oss_with_yarn_rope_is_refused(tmp_path, capsys):
     assert code == 2 and err == "error: config.json rope_parameters.rope_type='yarn': only default RoPE converts " \
         "(no scaling)", err
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", "qwen3_next", "gpt_oss", "deepseek_v32"])
+def test_shipped_miniature_converts_to_its_family(name, tmp_path, no_index_ties):
+    """configs/<name>.yaml is that transformers family (no option refused) and the same model there."""
+    import yaml
+    from config import ROOT
+    with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as f:
+        model_cfg = yaml.safe_load(f)["model"]
+    if name == "deepseek_v32":  # the stage the two-stage recipe ends in
+        model_cfg["layers"]["mla"]["dsa"]["stage"] = "sparse"
+    ours = our_checkpoint(tmp_path / "run", model_cfg)
+    assert convert.main(["to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    assert hf.config.model_type == name
+    idx = torch.randint(0, model_cfg["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert relative_error(hf(idx).logits, ours(idx)[0]) <= 1e-4
