@@ -697,6 +697,13 @@ def to_hf(mc, state_dict):
     return family, hf_cfg, tensors
 
 
+def _mtp(name, n_layer):
+    """Multi-token-prediction weights, which the project's models have no use for (nor transformers'):
+    Qwen3-Next's mtp.*, DeepSeek's extra layers model.layers.{n_layer..}."""
+    parts = name.split(".")
+    return parts[0] == "mtp" or parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= n_layer
+
+
 def from_hf(hf_cfg, tensors):
     """(raw model config dict, our state dict) from a transformers config object and its tensors."""
     family = hf_cfg.model_type
@@ -722,7 +729,7 @@ def from_hf(hf_cfg, tensors):
         for name, t in zip(our_names, bwd([tensors[n].float() for n in hf_names])):
             sd[name] = t.contiguous()
         used.update(hf_names)
-    extra = sorted(n for n in tensors if n not in used and not n.startswith("mtp."))
+    extra = sorted(n for n in tensors if n not in used and not _mtp(n, mc.n_layer))
     refuse(not extra, f"weight {extra[0] if extra else ''} has no place in the project's {family} model")
     if mc.tie_embeddings:
         sd["lm_head.weight"] = sd["wte.weight"]

@@ -320,3 +320,16 @@ def test_shipped_miniature_converts_to_its_family(name, tmp_path, no_index_ties)
     idx = torch.randint(0, model_cfg["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert relative_error(hf(idx).logits, ours(idx)[0]) <= 1e-4
+
+
+def test_multi_token_prediction_weights_are_skipped_and_only_they(tmp_path, capsys):
+    """DeepSeek checkpoints carry their MTP module as one more layer, model.layers.{num_hidden_layers}."""
+    from safetensors.torch import load_file, save_file
+    tiny_hf_model("deepseek_v32", tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    save_file({**weights, "model.layers.3.eh_proj.weight": torch.zeros(32, 64)}, tmp_path / "hf" / "model.safetensors")
+    assert convert.main(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")]) == 0
+    save_file({**weights, "model.layers.2.eh_proj.weight": torch.zeros(32, 64)}, tmp_path / "hf" / "model.safetensors")
+    code, err = run_cli(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out2")], capsys)
+    assert code == 2 and err == "error: weight model.layers.2.eh_proj.weight has no place in the project's " \
+        "deepseek_v32 model", err
