@@ -70,6 +70,8 @@ class TrainConfig:
     keep_last: int = 3                  # checkpoints kept in out_dir (older ones are deleted)
     max_bad_steps: int = 5              # non-finite losses in a row before the run stops
     threads: int = 0                    # torch CPU threads (0 = torch's default: OMP_NUM_THREADS or all cores)
+    init_from: Optional[str] = None     # a checkpoint (file or folder) whose weights start a fresh run
+                                        # (e.g. one `convert.py from-hf` wrote); --resume takes precedence
 
     def check(self, path, model):
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_interval",

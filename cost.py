@@ -77,8 +77,10 @@ def mixer_cost(lc, d, seq_len, ctx, dtype_bytes=2):
     kind = lc.kind
     if kind == "attn":
         Hq, Hkv, D, W = lc.n_heads, lc.n_kv_heads, lc.head_dim, lc.window
-        mm = d * Hq * D + 2 * d * Hkv * D + Hq * D * d
-        params = mm + (2 * D if lc.qk_norm else 0) + (Hq if lc.sinks else 0)
+        gate = _get(lc, "output_gate", False)
+        mm = d * Hq * D + 2 * d * Hkv * D + Hq * D * d + (d * Hq * D if gate else 0)
+        biases = (Hq * D + 2 * Hkv * D + d + (Hq * D if gate else 0)) if _get(lc, "bias", False) else 0
+        params = mm + biases + (2 * D if lc.qk_norm else 0) + (Hq if lc.sinks else 0)
         attn_fwd = 4 * Hq * D * keys_seen_avg(seq_len, W)
         L_eff = ctx if W is None else min(ctx, W)
         per_tok = 2 * Hkv * D * dtype_bytes
@@ -87,8 +89,8 @@ def mixer_cost(lc, d, seq_len, ctx, dtype_bytes=2):
                     cache_bytes=cache, decode_flops=2 * mm + 4 * Hq * D * L_eff,
                     decode_bytes=params * dtype_bytes + cache)
     if kind in ("kda", "gdn", "linear"):
-        H, K, V = lc.n_heads, lc.head_dim, lc.v_head_dim
-        ch = 2 * H * K + H * V                          # q, k, v channels
+        Hk, H, K, V = lc.n_heads, _get(lc, "n_v_heads") or lc.n_heads, lc.head_dim, lc.v_head_dim  # H: value heads
+        ch = 2 * Hk * K + H * V                         # q, k, v channels
         mm = d * ch
         other = ch * lc.conv_size
         if kind != "linear":
@@ -125,7 +127,7 @@ def mixer_cost(lc, d, seq_len, ctx, dtype_bytes=2):
 def _mla_cost(lc, d, seq_len, ctx, dtype_bytes):
     H, r, dc = lc.n_heads, _get(lc, "q_lora_rank") or 0, lc.kv_lora_rank
     nope, v = lc.qk_nope_dim, lc.v_head_dim
-    rope = lc.qk_rope_dim if _get(lc, "rope", True) else 0
+    rope = lc.qk_rope_dim                       # rotated, or an unrotated shared key part under NoPE
     q_mm = (d * r + r * H * (nope + rope)) if r else d * H * (nope + rope)
     dkv_mm = d * (dc + rope)
     ukv_mm = dc * H * (nope + v)
@@ -212,23 +214,42 @@ def _model_parts(model_cfg):
         pat = model_cfg.pattern
         layers = [model_cfg.layers[pat[i % len(pat)]] for i in range(model_cfg.n_layer)]
     layers = [SimpleNamespace(**lc) if isinstance(lc, dict) else lc for lc in layers]
-    hidden = _get(model_cfg.mlp, "hidden")
-    return model_cfg.d_model, model_cfg.vocab_size, hidden, layers
+    return model_cfg.d_model, model_cfg.vocab_size, model_cfg.mlp, layers
 
 
-def _dense_cost(d, vocab, hidden, n_layer, dtype_bytes):
-    """Everything outside the mixers: embedding (tied head), SwiGLU MLPs, norms."""
-    mlp = 3 * d * hidden * n_layer
-    params = vocab * d + mlp + (2 * n_layer + 1) * d
-    mm = mlp + vocab * d                                # the head is a matmul, the lookup is not
-    return dict(params=params, train_flops=3 * 2 * mm, cache_bytes_per_token=0, cache_bytes=0,
-                decode_flops=2 * mm, decode_bytes=params * dtype_bytes)
+def _mlp_cost(mlp, d, n_layer):
+    """(parameters, parameters active per token) of the MLPs of all layers. MoE (SPEC 10): a token
+    uses top_k of the n_experts routed experts, the shared expert(s) and the router."""
+    if _get(mlp, "kind", "swiglu") != "moe":
+        p = 3 * d * _get(mlp, "hidden") * n_layer
+        return p, p
+    k_dense = _get(mlp, "first_k_dense", 0)
+    dense = 3 * d * _get(mlp, "dense_hidden") * k_dense
+    expert, E = 3 * d * _get(mlp, "hidden"), _get(mlp, "n_experts")
+    bias = _get(mlp, "bias", False)
+    expert += (2 * _get(mlp, "hidden") + d) if bias else 0                              # gpt-oss's biases
+    shared_hidden = _get(mlp, "shared_hidden") or _get(mlp, "n_shared", 0) * _get(mlp, "hidden")
+    always = 3 * d * shared_hidden + (d if _get(mlp, "shared_gate") else 0) + (d + bias) * E  # shared + gate + router
+    n_moe = n_layer - k_dense
+    return dense + n_moe * (E * expert + always), dense + n_moe * (_get(mlp, "top_k") * expert + always)
+
+
+def _dense_cost(d, vocab, mlp, n_layer, dtype_bytes, untied=False):
+    """Everything outside the mixers: embedding (+ the head unless tied), MLPs (dense or MoE), norms.
+    FLOPs and decode bytes count the active parameters only."""
+    mlp_params, mlp_active = _mlp_cost(mlp, d, n_layer)
+    params = vocab * d * (2 if untied else 1) + mlp_params + (2 * n_layer + 1) * d
+    mm = mlp_active + vocab * d                         # the head is a matmul, the lookup is not
+    active = params - mlp_params + mlp_active
+    return dict(params=params, active_params=active, train_flops=3 * 2 * mm, cache_bytes_per_token=0,
+                cache_bytes=0, decode_flops=2 * mm, decode_bytes=active * dtype_bytes)
 
 
 def layer_table(model_cfg, seq_len, ctx, dtype_bytes=2):
     """Rows per layer kind (grouped by identical config) + 'dense' + 'total': name, n, and the
     mixer_cost fields summed over the layers of that kind."""
-    d, vocab, hidden, layers = _model_parts(model_cfg)
+    d, vocab, mlp, layers = _model_parts(model_cfg)
+    untied = not _get(model_cfg, "tie_embeddings", True)
     names = {}
     if hasattr(model_cfg, "pattern"):
         pat = model_cfg.pattern
@@ -240,8 +261,10 @@ def layer_table(model_cfg, seq_len, ctx, dtype_bytes=2):
     rows = []
     for name, lcs in names.items():
         c = mixer_cost(lcs[0], d, seq_len, ctx, dtype_bytes)
+        c["active_params"] = c["params"]
         rows.append({"name": f"{name} ({lcs[0].kind})", "n": len(lcs), **{k: v * len(lcs) for k, v in c.items()}})
-    rows.append({"name": "embed+mlp+norms", "n": len(layers), **_dense_cost(d, vocab, hidden, len(layers), dtype_bytes)})
+    rows.append({"name": "embed+mlp+norms", "n": len(layers),
+                 **_dense_cost(d, vocab, mlp, len(layers), dtype_bytes, untied)})
     total = {"name": "total", "n": len(layers)}
     for key in rows[0]:
         if key not in ("name", "n"):
@@ -259,6 +282,11 @@ def roofline(flops, nbytes, peak=H200_FLOPS, bw=H200_BW):
 
 def num_params(model_cfg):
     return layer_table(model_cfg, 1, 1)[-1]["params"]
+
+
+def active_params(model_cfg):
+    """Parameters a token uses (MoE: top_k routed experts + shared + router; = num_params if dense)."""
+    return layer_table(model_cfg, 1, 1)[-1]["active_params"]
 
 
 def train_flops_per_token(model_cfg, seq_len):
@@ -359,7 +387,8 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     seq_len = args.seq_len or cfg.train.seq_len
-    print(f"{args.config or os.path.relpath(DEFAULT_CONFIG)}: {human(num_params(cfg.model))} parameters, "
+    print(f"{args.config or os.path.relpath(DEFAULT_CONFIG)}: {human(num_params(cfg.model))} parameters "
+          f"({human(active_params(cfg.model))} active), "
           f"{human(train_flops_per_token(cfg.model, seq_len))} training FLOPs/token at seq_len {seq_len}, "
           f"{args.dtype_bytes}-byte weights and cache\n")
     print(report(cfg.model, seq_len, args.ctx, args.dtype_bytes))

@@ -4,10 +4,10 @@ A config `pattern` names the mixer of every layer (cycled to n_layer); each mixe
 path (training, `forward`) and a cached path (`step`: prefill and decode) that give the same logits.
 
     GPT
-      wte                       token embedding, tied with the output head
+      wte                       token embedding, tied with the output head unless tie_embeddings: false
       blocks[i]: Block          x = x + mixer(norm(x));  x = x + mlp(norm(x))
         mixer                   Attention (attn), MLA (mla, + DSA Indexer), ... one class per mixer kind
-        mlp                     SwiGLU
+        mlp                     SwiGLU, or MoE (mlp.kind: moe; the first_k_dense layers stay SwiGLU)
       norm_f, lm_head
 
 The math lives in kernels/ (one function per op); this file is structure. See SPEC.md.
@@ -105,11 +105,24 @@ class AttnConfig:
     sinks: bool = False                 # learned per-head sink logits (gpt-oss)
     rope: bool = True                   # false = NoPE
     rope_theta: float = 10000.0
+    rope_fraction: float = 1.0          # partial RoPE: rotate the first int(head_dim * fraction) dims (Qwen3-Next 0.25)
     qk_norm: bool = False               # RMSNorm on q and k per head
+    output_gate: bool = False           # o * sigmoid(x W_g), per channel of every head, before wo (Qwen3-Next)
+    bias: bool = False                  # biases on wq, wk, wv, wo (and W_g) (gpt-oss)
 
     def check(self, path, model):
+        require(0 < self.rope_fraction <= 1, f"{path}.rope_fraction", "in (0, 1]", self.rope_fraction)
         check_heads(self, path, model)
+        if self.rope:
+            require(self.rope_dim >= 2 and self.rope_dim % 2 == 0, f"{path}.rope_fraction",
+                    f"a share of head_dim={self.head_dim} giving an even number >= 2 of rotated dims "
+                    f"(int(head_dim * rope_fraction))", self.rope_fraction)
         require(self.window is None or self.window >= 1, f"{path}.window", "an integer >= 1 or null", self.window)
+
+    @property
+    def rope_dim(self):
+        """Rotated dims per head: the first int(head_dim * rope_fraction) (half-split among them)."""
+        return int(self.head_dim * self.rope_fraction)
 
 
 def check_heads(cfg, path, model):
@@ -126,7 +139,7 @@ def check_heads(cfg, path, model):
                 f"a divisor of d_model={model.d_model} (or set head_dim)", cfg.n_heads)
         cfg.head_dim = model.d_model // cfg.n_heads
     positive(f"{path}.head_dim", cfg.head_dim)
-    if cfg.rope:
+    if cfg.rope and getattr(cfg, "rope_fraction", 1.0) == 1.0:  # partial RoPE: its own check
         require(cfg.head_dim % 2 == 0, f"{path}.head_dim", "even when rope is true", cfg.head_dim)
     require(cfg.rope_theta > 0, f"{path}.rope_theta", "> 0", cfg.rope_theta)
 
@@ -164,8 +177,10 @@ class MLAConfig:
     qk_nope_dim: int = 32
     qk_rope_dim: int = 16               # 0 allowed (no rope part)
     v_head_dim: int = 32
-    rope: bool = True                   # false = NoPE (Kimi Linear): the rope part is dropped
+    rope: bool = True                   # false = NoPE (Kimi Linear): the qk_rope_dim part stays, unrotated
     rope_theta: float = 10000.0
+    norm_eps: Optional[float] = None    # eps of the latent norms (q_norm, kv_norm); None = model.norm_eps
+                                        # (transformers' Kimi Linear and DeepSeek use 1e-6 there)
     dsa: Optional[dict] = None          # a DSAConfig mapping; None = dense MLA
 
     def check(self, path, model):
@@ -176,6 +191,7 @@ class MLAConfig:
         require(self.qk_rope_dim >= 0, f"{path}.qk_rope_dim", "an integer >= 0", self.qk_rope_dim)
         require(self.qk_rope_dim % 2 == 0, f"{path}.qk_rope_dim", "even (half-split RoPE)", self.qk_rope_dim)
         require(self.rope_theta > 0, f"{path}.rope_theta", "> 0", self.rope_theta)
+        require(self.norm_eps is None or self.norm_eps > 0, f"{path}.norm_eps", "> 0 or null", self.norm_eps)
         if isinstance(self.dsa, dict):
             self.dsa = build(DSAConfig, self.dsa, f"{path}.dsa")
         if self.dsa is not None:
@@ -183,20 +199,79 @@ class MLAConfig:
 
     @property
     def rope_dim(self):
-        """The rope dims actually used: 0 under NoPE."""
-        return self.qk_rope_dim if self.rope else 0
+        """The shared key part (and its query part): rotated with rope, kept unrotated under NoPE
+        (Kimi Linear); always counted in the softmax scale (d_nope + d_rope) ** -0.5."""
+        return self.qk_rope_dim
 
 
 @dataclass
 class MLPConfig:
-    kind: str = "swiglu"
-    hidden: Optional[int] = None        # None = 8/3 d_model rounded up to a multiple of 64
+    """swiglu: one SwiGLU MLP per layer. moe: token-choice top-k mixture of SwiGLU experts (SPEC 10)."""
+    kind: str = "swiglu"                # swiglu | moe
+    hidden: Optional[int] = None        # swiglu: the MLP's hidden; moe: each expert's. None = 8/3 d_model
+                                        # rounded up to a multiple of 64
+    n_experts: int = 8                  # moe: routed experts
+    top_k: int = 2                      # moe: experts per token
+    n_shared: int = 0                   # moe: always-on shared experts (one SwiGLU of shared_hidden)
+    shared_hidden: Optional[int] = None  # moe: None = n_shared * hidden
+    shared_gate: bool = False           # moe: sigmoid(x w) scales the shared output (Qwen3-Next)
+    router: str = "softmax"             # moe: softmax (Qwen3-Next) | sigmoid (DeepSeek-V3: + balancing bias)
+    norm_topk: bool = True              # moe: renormalise the top-k weights to sum to 1
+    routed_scale: float = 1.0           # moe: multiplies the routed output (DeepSeek-V3 2.5, Kimi 2.446)
+    n_group: int = 1                    # moe: group-limited routing (DeepSeek-V3: 8 groups, the best
+    topk_group: int = 1                 #      topk_group by their top-2 score sum hold the chosen experts)
+    first_k_dense: int = 0              # moe: the first k layers keep a dense SwiGLU of dense_hidden
+    dense_hidden: Optional[int] = None  # moe: None = 8/3 d_model rounded up to a multiple of 64
+    bias_update_rate: float = 0.001     # moe, sigmoid: the balancing bias step per optimizer step
+    bias: bool = False                  # moe: biases on the router and the routed experts' matmuls (gpt-oss)
+    expert_act: str = "swiglu"          # moe, routed experts: swiglu, silu(g) * u | swiglu_clamped (gpt-oss):
+    swiglu_alpha: float = 1.702         #   g = min(g, limit), u = clamp(u, -limit, limit),
+    swiglu_limit: float = 7.0           #   g * sigmoid(alpha * g) * (u + 1)
 
     def check(self, path, model):
-        _one_of(f"{path}.kind", self.kind, ["swiglu"])
+        _one_of(f"{path}.kind", self.kind, MLP_KINDS)
+        default = 64 * math.ceil(8 * model.d_model / 3 / 64)
         if self.hidden is None:
-            self.hidden = 64 * math.ceil(8 * model.d_model / 3 / 64)
+            self.hidden = default
         positive(f"{path}.hidden", self.hidden)
+        if self.kind != "moe":
+            return
+        positive(f"{path}.n_experts", self.n_experts)
+        require(1 <= self.top_k <= self.n_experts, f"{path}.top_k", f"in [1, n_experts={self.n_experts}]", self.top_k)
+        require(self.n_shared >= 0, f"{path}.n_shared", "an integer >= 0", self.n_shared)
+        if self.shared_hidden is None:
+            self.shared_hidden = self.n_shared * self.hidden
+        require(self.shared_hidden >= 0 and (self.shared_hidden > 0) == (self.n_shared > 0), f"{path}.shared_hidden",
+                "> 0 exactly when n_shared > 0", self.shared_hidden)
+        require(not self.shared_gate or self.n_shared > 0, f"{path}.shared_gate", "false without shared experts",
+                self.shared_gate)
+        _one_of(f"{path}.router", self.router, ROUTERS)
+        require(self.routed_scale > 0, f"{path}.routed_scale", "> 0", self.routed_scale)
+        require(self.n_group >= 1 and self.n_experts % self.n_group == 0 and
+                (self.n_group == 1 or self.n_experts // self.n_group >= 2), f"{path}.n_group",
+                f"a divisor of n_experts={self.n_experts} leaving >= 2 experts per group", self.n_group)
+        require(1 <= self.topk_group <= self.n_group and self.top_k <= self.topk_group * self.n_experts // self.n_group,
+                f"{path}.topk_group", f"in [1, n_group={self.n_group}], holding >= top_k experts", self.topk_group)
+        require(0 <= self.first_k_dense <= model.n_layer, f"{path}.first_k_dense",
+                f"in [0, n_layer={model.n_layer}]", self.first_k_dense)
+        if self.dense_hidden is None:
+            self.dense_hidden = default
+        positive(f"{path}.dense_hidden", self.dense_hidden)
+        require(self.bias_update_rate >= 0, f"{path}.bias_update_rate", ">= 0", self.bias_update_rate)
+        _one_of(f"{path}.expert_act", self.expert_act, EXPERT_ACTS)
+        require(self.swiglu_limit > 0, f"{path}.swiglu_limit", "> 0", self.swiglu_limit)
+
+    def is_moe(self, layer):
+        return self.kind == "moe" and layer >= self.first_k_dense
+
+    def dense_size(self):
+        """Hidden of the dense MLPs (every layer for swiglu, the first_k_dense layers for moe)."""
+        return self.dense_hidden if self.kind == "moe" else self.hidden
+
+
+MLP_KINDS = ("swiglu", "moe")
+ROUTERS = ("softmax", "sigmoid")
+EXPERT_ACTS = ("swiglu", "swiglu_clamped")
 
 
 # kind -> (config dataclass, mixer module); other mixers register themselves further down.
@@ -215,6 +290,7 @@ class ModelConfig:
     mlp: dict = field(default_factory=dict)
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    tie_embeddings: bool = True         # false = an output head of its own (Kimi Linear, Qwen3-Next, gpt-oss)
     backend: Optional[str] = None       # kernels backend: null (auto), torch, triton
 
     @classmethod
@@ -285,11 +361,12 @@ def token_positions(x, pos, cache, cu_seqlens):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x [B, T, H, D] by angles cos, sin [T, D/2] (or per row [B, T, D/2]): pairs are (x[i], x[i + D/2])."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d].float(), x[..., d:].float()
+    """Rotate x [B, T, H, D] by angles cos, sin [T, R/2] (or per row [B, T, R/2]): pairs are
+    (x[i], x[i + R/2]) among the first R dims; dims R.. pass unrotated (partial RoPE). R == D is full RoPE."""
+    r = cos.shape[-1]
+    x1, x2, rest = x[..., :r].float(), x[..., r:2 * r].float(), x[..., 2 * r:].float()
     cos, sin = cos[..., None, :], sin[..., None, :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -303,6 +380,106 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         gate, up = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).chunk(2, dim=-1)  # one matmul
         return self.w2(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    """Token-choice top-k mixture of SwiGLU experts plus optional shared experts (SPEC 10).
+
+    Router: softmax (top-k of the softmax) or sigmoid (top-k of sigmoid + a balancing bias that only
+    selects; the weights are the selected sigmoids), optionally renormalised, times routed_scale.
+    Assignments are sorted by expert and each expert runs one matmul over its tokens (a loop over
+    experts, none over tokens); no capacity: no token is dropped. The sigmoid router's bias is a
+    buffer nudged by update_router_bias() outside the gradient (DeepSeek-V3's auxiliary-loss-free
+    balancing); `load` counts the assignments per expert since the last update. `bias` adds learned
+    biases to the router and the experts, `expert_act: swiglu_clamped` gpt-oss's expert activation."""
+
+    def __init__(self, cfg: MLPConfig, d_model, init_std):
+        super().__init__()
+        self.cfg, self.init_std = cfg, init_std
+        E, h = cfg.n_experts, cfg.hidden
+        self.router = nn.Linear(d_model, E, bias=cfg.bias)
+        self.w1 = nn.Parameter(torch.empty(E, h, d_model))                 # gate   [E, hidden, d]
+        self.w3 = nn.Parameter(torch.empty(E, h, d_model))                 # up     [E, hidden, d]
+        self.w2 = nn.Parameter(torch.empty(E, d_model, h))                 # down   [E, d, hidden]
+        if cfg.bias:                                                       # their biases (gpt-oss)
+            self.b1, self.b3, self.b2 = (nn.Parameter(torch.zeros(E, n)) for n in (h, h, d_model))
+            for b in (self.b1, self.b3, self.b2):
+                b.no_weight_decay = True
+        self.register_buffer("router_bias", torch.zeros(E), persistent=cfg.router == "sigmoid")
+        self.register_buffer("load", torch.zeros(E), persistent=False)
+        self.shared = SwiGLU(d_model, cfg.shared_hidden) if cfg.n_shared else None
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_gate else None
+
+    def reset_special_parameters(self, n_layer=1):
+        for w in (self.w1, self.w3):
+            nn.init.normal_(w, 0.0, self.init_std)
+        nn.init.normal_(self.w2, 0.0, self.init_std / math.sqrt(2 * n_layer))
+        if self.cfg.bias:
+            for b in (self.b1, self.b3, self.b2):
+                nn.init.zeros_(b)
+
+    def expert(self, e, xe):
+        """Routed expert e on its tokens xe [n, d] -> [n, d]."""
+        c = self.cfg
+        g, u = xe @ self.w1[e].T, xe @ self.w3[e].T
+        if c.bias:
+            g, u = g + self.b1[e], u + self.b3[e]
+        if c.expert_act == "swiglu":
+            h = F.silu(g) * u
+        else:  # gpt-oss: clamped, sigmoid gain alpha, up shifted by one
+            g, u = g.clamp(max=c.swiglu_limit), u.clamp(-c.swiglu_limit, c.swiglu_limit)
+            h = g * torch.sigmoid(c.swiglu_alpha * g) * (u + 1)
+        y = h @ self.w2[e].T
+        return y + self.b2[e] if c.bias else y
+
+    def route(self, x):
+        """x [N, d] -> expert ids [N, k], weights [N, k] (fp32)."""
+        c = self.cfg
+        logits = self.router(x).float()                                     # [N, E]
+        scores = logits.softmax(-1) if c.router == "softmax" else logits.sigmoid()
+        choice = scores if c.router == "softmax" else scores + self.router_bias
+        if c.n_group > 1:  # only experts of the topk_group groups with the best top-2 sums compete
+            groups = choice.view(-1, c.n_group, c.n_experts // c.n_group)      # [N, G, E/G]
+            best = groups.topk(2, dim=-1).values.sum(-1).topk(c.topk_group, dim=-1).indices
+            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, best, True)
+            choice = groups.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        ids = choice.topk(c.top_k, dim=-1).indices
+        w = scores.gather(1, ids)
+        if c.norm_topk:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * c.routed_scale
+
+    def forward(self, x):
+        B, T, d = x.shape
+        xf = x.reshape(B * T, d)
+        ids, w = self.route(xf)
+        flat = ids.reshape(-1)                                              # [N*k] assignment -> expert
+        order = flat.argsort(stable=True)                                   # assignments sorted by expert
+        token = order // self.cfg.top_k                                    # their tokens
+        counts = torch.bincount(flat, minlength=self.cfg.n_experts)
+        if self.training:
+            self.load += counts.to(self.load.dtype)
+        xs = xf[token]                                                      # [N*k, d] grouped by expert
+        ys = [self.expert(e, xe) for e, xe in enumerate(xs.split(counts.tolist()))]  # every expert, even
+                                                                            # empty: each weight gets a gradient
+        ys = torch.cat(ys) * w.reshape(-1)[order, None].to(x.dtype)
+        out = torch.zeros_like(xf).index_add_(0, token, ys)                 # [N, d]
+        if self.shared is not None:
+            s = self.shared(xf)
+            out = out + (torch.sigmoid(self.shared_gate(xf)) * s if self.shared_gate is not None else s)
+        return out.view(B, T, d)
+
+    @torch.no_grad()
+    def update_router_bias(self, update=True):
+        """After an optimizer step: the load since the last call (summed over ranks), and for the
+        sigmoid router bias += rate * sign(mean load - load). Returns the load as fractions."""
+        load = self.load.clone()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(load)
+        self.load.zero_()
+        if update and self.cfg.router == "sigmoid":
+            self.router_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        return load / load.sum().clamp_min(1)
 
 
 class LayerCache:
@@ -349,11 +526,12 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.backend = cfg, model.backend
         Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(model.d_model, Hq * D, bias=False)
-        self.wk = nn.Linear(model.d_model, Hkv * D, bias=False)
-        self.wv = nn.Linear(model.d_model, Hkv * D, bias=False)
-        self.wo = nn.Linear(Hq * D, model.d_model, bias=False)
+        self.wq = nn.Linear(model.d_model, Hq * D, bias=cfg.bias)
+        self.wk = nn.Linear(model.d_model, Hkv * D, bias=cfg.bias)
+        self.wv = nn.Linear(model.d_model, Hkv * D, bias=cfg.bias)
+        self.wo = nn.Linear(Hq * D, model.d_model, bias=cfg.bias)
         self.wo.residual_out = True
+        self.wg = nn.Linear(model.d_model, Hq * D, bias=cfg.bias) if cfg.output_gate else None
         self.q_norm = RMSNorm(D, model.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, model.norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(Hq)) if cfg.sinks else None
@@ -366,21 +544,25 @@ class Attention(nn.Module):
         positions = token_positions(x, pos, cache, cu_seqlens)
         # one matmul for q | k | v (fewer, larger matmuls: faster on CPU than three)
         w_qkv = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
-        q, k, v = F.linear(x, w_qkv).split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
+        b_qkv = None if self.wq.bias is None else torch.cat([self.wq.bias, self.wk.bias, self.wv.bias])
+        q, k, v = F.linear(x, w_qkv, b_qkv).split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
                                             c.n_kv_heads * c.head_dim], dim=-1)
         q = q.view(B, T, c.n_heads, c.head_dim)
         k, v = k.view(B, T, c.n_kv_heads, c.head_dim), v.view(B, T, c.n_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rope:
-            cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
+            cos, sin = rope_angles(positions, c.rope_dim, c.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and hasattr(cache, "attend"):  # a paged cache (engine.py) reads its blocks
-            return self.wo(cache.attend(self, q, k, v).reshape(B, T, -1))
-        if cache is not None:
-            k, v = self.update_cache(cache, k, v, pos)
-        o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend,
-                              cu_seqlens=cu_seqlens)
+            o = cache.attend(self, q, k, v)                                   # [B, T, Hq, D]
+        else:
+            if cache is not None:
+                k, v = self.update_cache(cache, k, v, pos)
+            o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend,
+                                  cu_seqlens=cu_seqlens)
+        if self.wg is not None:  # gated attention: one sigmoid gate per output channel  [B, T, Hq, D]
+            o = o * torch.sigmoid(self.wg(x)).view_as(o)
         return self.wo(o.reshape(B, T, -1))
 
     def new_cache(self, batch_size, max_len, device, dtype):
@@ -434,7 +616,9 @@ class DeltaConfig:
     """kda: per-channel gate (Kimi Linear); gdn: per-head gate (Gated DeltaNet); linear: no gate,
     no delta rule (S_t = S_{t-1} + k_t v_t^T)."""
     kind: str = "kda"
-    n_heads: int = 4
+    n_heads: int = 4                    # query/key heads
+    n_v_heads: Optional[int] = None     # value heads; None = n_heads. A multiple of n_heads: each q/k head
+                                        # serves n_v_heads / n_heads consecutive value heads (Qwen3-Next 16 : 32)
     head_dim: Optional[int] = None      # K; None = d_model // n_heads
     v_head_dim: Optional[int] = None    # V; None = K
     conv_size: int = 4                  # causal depthwise short convolution width; 0 = none
@@ -449,10 +633,20 @@ class DeltaConfig:
                     f"a divisor of d_model={model.d_model} (or set head_dim)", self.n_heads)
             self.head_dim = model.d_model // self.n_heads
         positive(f"{path}.head_dim", self.head_dim)
+        if self.n_v_heads is None:
+            self.n_v_heads = self.n_heads
+        require(self.n_v_heads >= 1 and self.n_v_heads % self.n_heads == 0, f"{path}.n_v_heads",
+                f"a multiple of n_heads={self.n_heads} (or null)", self.n_v_heads)
         if self.v_head_dim is None:
             self.v_head_dim = self.head_dim
         positive(f"{path}.v_head_dim", self.v_head_dim)
         require(self.conv_size >= 0, f"{path}.conv_size", "an integer >= 0 (0 = no conv)", self.conv_size)
+
+
+def l2norm(x, eps=1e-6):
+    """x / sqrt(|x|^2 + eps) over the last dim, as FLA and transformers' GDN/KDA compute it (fp32)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def inverse_softplus(y):
@@ -468,8 +662,8 @@ class DeltaNet(nn.Module):
     def __init__(self, cfg: DeltaConfig, model: ModelConfig):
         super().__init__()
         self.cfg, self.backend = cfg, model.backend
-        d, H, K, V = model.d_model, cfg.n_heads, cfg.head_dim, cfg.v_head_dim
-        self.qkv_dims = (H * K, H * K, H * V)
+        d, H, K, V = model.d_model, cfg.n_v_heads, cfg.head_dim, cfg.v_head_dim  # H: value heads
+        self.qkv_dims = (cfg.n_heads * K, cfg.n_heads * K, H * V)
         self.w_qkv = nn.Linear(d, sum(self.qkv_dims), bias=False)
         if cfg.conv_size:  # depthwise: one causal filter per channel of q, k and v
             self.conv = nn.Parameter(torch.empty(sum(self.qkv_dims), cfg.conv_size))
@@ -523,12 +717,14 @@ class DeltaNet(nn.Module):
     def forward(self, x, cache=None, pos=0, cu_seqlens=None):
         B, T, _ = x.shape
         c = self.cfg
-        H, K, V = c.n_heads, c.head_dim, c.v_head_dim
+        H, K, V = c.n_v_heads, c.head_dim, c.v_head_dim                     # H: value heads (= state heads)
         doc_pos = None if cu_seqlens is None else token_positions(x, pos, cache, cu_seqlens)
         q, k, v = self.short_conv(self.w_qkv(x), cache, doc_pos).split(self.qkv_dims, dim=-1)
-        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
+        q, k, v = q.view(B, T, c.n_heads, K), k.view(B, T, c.n_heads, K), v.view(B, T, H, V)
         if c.qk_norm:
-            q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+            q, k = l2norm(q), l2norm(k)
+        if H != c.n_heads:  # grouped value heads: q/k head i serves value heads i*r .. i*r + r-1
+            q, k = q.repeat_interleave(H // c.n_heads, dim=2), k.repeat_interleave(H // c.n_heads, dim=2)
         state = None if cache is None else cache.state
         if c.kind == "linear":
             if state is not None and T == 1:
@@ -559,7 +755,7 @@ class DeltaNet(nn.Module):
     def new_cache(self, batch_size, max_len, device, dtype):
         c = self.cfg
         conv_width = max(c.conv_size - 1, 0)
-        return LayerCache(state=torch.zeros(batch_size, c.n_heads, c.head_dim, c.v_head_dim, device=device),
+        return LayerCache(state=torch.zeros(batch_size, c.n_v_heads, c.head_dim, c.v_head_dim, device=device),
                           conv=torch.zeros(batch_size, conv_width, sum(self.qkv_dims), device=device, dtype=dtype))
 
 
@@ -633,10 +829,10 @@ class MLA(nn.Module):
             self.wq = nn.Linear(d, H * (d_nope + d_rope), bias=False)             # W_q
         else:
             self.wq_a = nn.Linear(d, r_q, bias=False)                             # W_dq
-            self.q_norm = RMSNorm(r_q, model.norm_eps)
+            self.q_norm = RMSNorm(r_q, cfg.norm_eps or model.norm_eps)
             self.wq_b = nn.Linear(r_q, H * (d_nope + d_rope), bias=False)         # W_uq
         self.wkv_a = nn.Linear(d, d_c + d_rope, bias=False)                       # W_dkv
-        self.kv_norm = RMSNorm(d_c, model.norm_eps)
+        self.kv_norm = RMSNorm(d_c, cfg.norm_eps or model.norm_eps)
         self.wkv_b = nn.Linear(d_c, H * (d_nope + d_v), bias=False)               # W_ukv = [W_UK_h; W_UV_h]
         self.wo = nn.Linear(H * d_v, d, bias=False)
         self.wo.residual_out = True
@@ -670,7 +866,7 @@ class MLA(nn.Module):
         # key/value latent: [c_kv (d_c), k_rope (d_rope)] = x W_dkv; c_kv normed; one roped key for all heads
         c_kv, k_rope = self.wkv_a(x).split([d_c, d_rope], dim=-1)          # [B, T, d_c], [B, T, d_rope]
         c_kv = self.kv_norm(c_kv)
-        if d_rope:
+        if d_rope and c.rope:
             cos, sin = rope_angles(positions, d_rope, c.rope_theta)
             q_rope = apply_rope(q_rope, cos, sin)
             k_rope = apply_rope(k_rope[:, :, None], cos, sin)[:, :, 0]
@@ -1130,12 +1326,15 @@ MIXERS["nsa"] = (NSAConfig, NSA)
 
 
 class Block(nn.Module):
-    def __init__(self, mixer_cfg, model: ModelConfig):
+    def __init__(self, mixer_cfg, model: ModelConfig, layer=0):
         super().__init__()
         self.norm1 = RMSNorm(model.d_model, model.norm_eps)
         self.mixer = MIXERS[mixer_cfg.kind][1](mixer_cfg, model)
         self.norm2 = RMSNorm(model.d_model, model.norm_eps)
-        self.mlp = SwiGLU(model.d_model, model.mlp.hidden)
+        if model.mlp.is_moe(layer):
+            self.mlp = MoE(model.mlp, model.d_model, model.init_std)
+        else:
+            self.mlp = SwiGLU(model.d_model, model.mlp.dense_size())
 
     def forward(self, x, cache=None, pos=0, cu_seqlens=None):
         x = x + self.mixer(self.norm1(x), cache, pos, cu_seqlens=cu_seqlens)
@@ -1147,13 +1346,16 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(c, config) for c in config.layer_configs())
+        self.blocks = nn.ModuleList(Block(c, config, i) for i, c in enumerate(config.layer_configs()))
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
-        for m in self.modules():  # mixers with parameters of their own init (gates, decays)
-            if m is not self and hasattr(m, "reset_special_parameters"):
+        for m in self.modules():  # mixers with parameters of their own init (gates, decays, experts)
+            if isinstance(m, MoE):
+                m.reset_special_parameters(config.n_layer)
+            elif m is not self and hasattr(m, "reset_special_parameters"):
                 m.reset_special_parameters()
 
     def _init_weights(self, m):
@@ -1169,6 +1371,13 @@ class GPT(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
+
+    def update_router_biases(self, update=True):
+        """Call after each optimizer step (every rank): MoE load balancing outside the gradient.
+        Returns metrics: per MoE layer the share of assignments per expert, and the dropped tokens
+        (always 0: no capacity factor); {} without MoE layers."""
+        loads = [b.mlp.update_router_bias(update).tolist() for b in self.blocks if isinstance(b.mlp, MoE)]
+        return {"expert_load": loads, "dropped_tokens": 0} if loads else {}
 
     def forward(self, idx, targets=None, cu_seqlens=None):
         """idx [B, T] -> logits [B, T, vocab]; loss (mean cross-entropy, targets -1 ignored) or None.

@@ -241,6 +241,17 @@ def check_model_matches(path, ckpt, cfg, verbose=True):
         print(f"note: resuming with changed model settings (same weights): {'; '.join(diffs)}")
 
 
+def init_weights_from(module, path, cfg):
+    """train.init_from: a fresh run (step 0, new optimizer and data order) from a checkpoint's weights."""
+    if os.path.isdir(path):
+        folder, path = path, latest_checkpoint(path)
+        if path is None:
+            raise DataError(f"{folder}: no checkpoint (ckpt_*.pt) to initialise from (train.init_from)")
+    ckpt = load_checkpoint(path)
+    check_model_matches(path, ckpt, cfg, verbose=False)
+    module.load_state_dict(ckpt["model"])
+
+
 def rng_state():
     """RNG states of this process as plain lists/tensors (loadable with weights_only=True)."""
     version, mt, gauss = random.getstate()
@@ -491,6 +502,8 @@ class Run:
                 module.load_state_dict(ckpt["model"])
             except RuntimeError:
                 raise DataError(f"{path}: the checkpoint's weights do not fit this config's model") from None
+        elif tc.init_from:
+            init_weights_from(module, tc.init_from, self.cfg)
         roles = param_roles(module, tc)
         fwd = module
         if self.fsdp:
@@ -558,7 +571,7 @@ class Run:
         self.tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum  # global
         self.params = [p for p in self.module.parameters()]
         self.t_last, self.loss_sum, self.n_sum, self.n_steps, self.bad_in_row = time.time(), 0.0, 0, 0, 0
-        self.aux_sums, self.grad_norm = {}, None
+        self.aux_sums, self.grad_norm, self.moe_stats = {}, None, {}
         self.module.train()
 
     def close(self):
@@ -620,6 +633,7 @@ class Run:
                     f"loss or gradient not finite for {self.bad_in_row} steps in a row (steps "
                     f"{self.step + 2 - self.bad_in_row}..{self.step + 1}, train.max_bad_steps={tc.max_bad_steps}); "
                     f"lower train.lr or check the data")
+        self.moe_stats = self.module.update_router_biases(update=self.bad_in_row == 0)  # MoE bias, load
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
@@ -644,7 +658,7 @@ class Run:
         row = {"step": self.step, "loss": self.loss_sum / n_sum if n_sum else None,
                "lr": lr_at(self.step - 1, self.tc), "tokens_per_s": tok_s, "mfu": util,
                "grad_norm": self.grad_norm, "tokens": self.tokens_seen, "skipped_steps": self.skipped,
-               **({n: v / n_sum for n, v in self.aux_sums.items()} if n_sum else {})}
+               **self.moe_stats, **({n: v / n_sum for n, v in self.aux_sums.items()} if n_sum else {})}
         self.write(row)
         post = {"loss": f"{row['loss']:.4f}" if n_sum else "nan", "tok_s": f"{tok_s:.0f}"}
         if util is not None:

@@ -70,7 +70,7 @@ def test_mla_layer_by_hand():
     assert c["decode_flops"] == 2 * (q + dkv + o) + absorbed + 100 * per_key == 89344
     assert c["decode_bytes"] == 15936 * 2 + 8000
     nope = cost.mixer_cost(SimpleNamespace(**{**vars(mla()), "rope": False}), D_MODEL, 8, 100)
-    assert nope["cache_bytes"] == 100 * 32 * 2                  # rope: false drops the rope key
+    assert nope["cache_bytes"] == 100 * (32 + 8) * 2            # rope: false keeps the unrotated key part
 
 
 def test_mla_dsa_layer_by_hand():

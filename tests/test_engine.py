@@ -19,6 +19,10 @@ KINDS = {
     "kda": {"kind": "kda", "n_heads": 2, "head_dim": 8},
     "gdn": {"kind": "gdn", "n_heads": 2, "head_dim": 8},
     "linear": {"kind": "linear", "n_heads": 2, "head_dim": 8},
+    # Qwen3-Next / gpt-oss layer options: output gate, partial RoPE, biases, grouped value heads
+    "attn_gated": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "output_gate": True, "rope_fraction": 0.5,
+                   "bias": True},
+    "gdn_grouped": {"kind": "gdn", "n_heads": 2, "n_v_heads": 4, "head_dim": 8},
 }
 SHAPES = [(5, 9), (37, 4), (1, 12), (20, 20), (16, 3), (9, 1)]  # (prompt, new tokens): a mix
 

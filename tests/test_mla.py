@@ -30,7 +30,7 @@ MLA = {
     "direct_q": mla(),
     "q_lora": mla(q_lora_rank=12),
     "nope": mla(qk_rope_dim=0, rope=False),
-    "nope_drops_rope_dims": mla(q_lora_rank=12, rope=False),
+    "nope_keeps_unrotated_rope_part": mla(q_lora_rank=12, rope=False),
     "dsa_sparse": mla(q_lora_rank=12, dsa=dsa()),
     "dsa_sparse_direct_q": mla(dsa=dsa(top_k=3, rope_dim=0)),
     "dsa_warmup": mla(q_lora_rank=12, dsa=dsa(stage="dense_warmup")),
@@ -72,7 +72,7 @@ def naive_mla(mixer, x):
     q = q.view(B, T, H, dn + dr)
     ckr = x @ mixer.wkv_a.weight.T
     ckv, kr = mixer.kv_norm(ckr[..., :dc]), ckr[..., dc:]
-    if dr:
+    if dr and c.rope:  # NoPE (Kimi Linear) keeps the dr part unrotated, still in the scale
         cos, sin = M.rope_angles(torch.arange(T), dr, c.rope_theta)
         q = torch.cat([q[..., :dn], M.apply_rope(q[..., dn:], cos, sin)], -1)
         kr = M.apply_rope(kr[:, :, None], cos, sin)[:, :, 0]
@@ -229,7 +229,7 @@ def test_gradient_routing(stage):
 
 
 def test_cache_bytes_per_token():
-    for spec, per_token in [(mla(), 16 + 4), (mla(rope=False), 16), (mla(dsa=dsa()), 16 + 4 + 8)]:
+    for spec, per_token in [(mla(), 16 + 4), (mla(rope=False), 16 + 4), (mla(dsa=dsa()), 16 + 4 + 8)]:
         model = make_model({"a": spec}, n_layer=3)
         cache = model.new_cache(1, 100)
         assert cache.nbytes() == 3 * 100 * per_token * 4

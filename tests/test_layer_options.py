@@ -1,0 +1,117 @@
+"""Layer options of the published hybrids (SPEC 12): attention output gate, partial RoPE, attention
+biases, delta-rule value heads grouped over key heads, an untied output head. Each option: step ==
+forward, and an identity to the layer without it."""
+import pytest
+import torch
+
+import model as M
+from model import ConfigError, ModelConfig
+from test_model import check_step_equals_forward, make_model
+
+ATTN = {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "head_dim": 16}
+OPTIONS = {
+    "output_gate": {**ATTN, "output_gate": True},
+    "rope_quarter": {**ATTN, "rope_fraction": 0.25},
+    "bias": {**ATTN, "bias": True, "output_gate": True, "window": 5, "sinks": True},
+    "qwen3_next_attn": {**ATTN, "output_gate": True, "rope_fraction": 0.25, "qk_norm": True},
+    "gdn_grouped_v": {"kind": "gdn", "n_heads": 2, "n_v_heads": 4, "head_dim": 8, "v_head_dim": 6},
+    "kda_grouped_v": {"kind": "kda", "n_heads": 2, "n_v_heads": 6, "head_dim": 8},
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_step_equals_forward(name):
+    check_step_equals_forward(make_model({name: OPTIONS[name]}, n_layer=2), T=23)
+
+
+def test_untied_head_step_equals_forward_and_equals_tied_when_copied():
+    tied = make_model({"a": ATTN}, n_layer=2)
+    untied = make_model({"a": ATTN}, n_layer=2, tie_embeddings=False)
+    assert untied.lm_head.weight is not untied.wte.weight
+    assert untied.num_params() == tied.num_params() + 61 * 32
+    check_step_equals_forward(untied, T=17)
+    untied.load_state_dict(tied.state_dict())   # the tied state dict holds the head under both names
+    idx = torch.randint(0, 61, (2, 9))
+    assert torch.equal(untied(idx)[0], tied(idx)[0])
+
+
+def naive_rope(x, positions, r, theta):
+    """Rotate pairs (x[i], x[i + r/2]) for i < r/2 by position * theta**(-2i/r), one pair at a time."""
+    out = x.clone()
+    for t, p in enumerate(positions.tolist()):
+        for i in range(r // 2):
+            a = p * theta ** (-2 * i / r)
+            c, s = torch.tensor(a).cos(), torch.tensor(a).sin()
+            x1, x2 = x[:, t, :, i], x[:, t, :, i + r // 2]
+            out[:, t, :, i], out[:, t, :, i + r // 2] = x1 * c - x2 * s, x2 * c + x1 * s
+    return out
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
+def test_partial_rope_rotates_the_first_dims_only(fraction):
+    cfg = ModelConfig.from_dict({"d_model": 32, "layers": {"a": {**ATTN, "rope_fraction": fraction}},
+                                 "pattern": ["a"]}).layers["a"]
+    assert cfg.rope_dim == int(16 * fraction)
+    x = torch.randn(2, 5, 3, 16)
+    positions = torch.arange(3, 8)
+    cos, sin = M.rope_angles(positions, cfg.rope_dim, 10000.0)
+    torch.testing.assert_close(M.apply_rope(x, cos, sin), naive_rope(x, positions, cfg.rope_dim, 10000.0))
+
+
+def test_output_gate_at_zero_weights_halves_the_output():
+    gated = make_model({"a": {**ATTN, "output_gate": True}}, n_layer=2)
+    plain = make_model({"a": ATTN}, n_layer=2)
+    sd = {k: v for k, v in gated.state_dict().items() if ".wg." not in k}
+    plain.load_state_dict(sd)
+    with torch.no_grad():
+        for block in gated.blocks:
+            block.mixer.wg.weight.zero_()           # sigmoid(0) = 1/2 on every channel
+        for block in plain.blocks:
+            block.mixer.wo.weight.mul_(0.5)
+    idx = torch.randint(0, 61, (2, 11))
+    torch.testing.assert_close(gated(idx)[0], plain(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_zero_biases_equal_no_biases():
+    biased = make_model({"a": {**ATTN, "bias": True}}, n_layer=2)
+    plain = make_model({"a": ATTN}, n_layer=2)
+    plain.load_state_dict({k: v for k, v in biased.state_dict().items() if not k.endswith(".bias")})
+    idx = torch.randint(0, 61, (2, 11))
+    assert torch.equal(biased(idx)[0], plain(idx)[0])  # biases start at zero
+
+
+def test_n_v_heads_equal_to_n_heads_is_the_plain_layer():
+    base = {"kind": "gdn", "n_heads": 2, "head_dim": 8}
+    a = make_model({"g": base}, n_layer=2)
+    b = make_model({"g": {**base, "n_v_heads": 2}}, n_layer=2)
+    idx = torch.randint(0, 61, (2, 11))
+    assert torch.equal(a(idx)[0], b(idx)[0])
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_grouped_value_heads_equal_repeated_key_heads(kind):
+    """H key heads serving r*H value heads == r*H key heads whose q/k rows (and conv filters) are
+    each key head's copied r times in a row."""
+    K, H, r = 8, 2, 3
+    grouped = make_model({"g": {"kind": kind, "n_heads": H, "n_v_heads": r * H, "head_dim": K}}, n_layer=1)
+    full = make_model({"g": {"kind": kind, "n_heads": r * H, "head_dim": K}}, n_layer=1)
+    sd = grouped.state_dict()
+    for name in ("blocks.0.mixer.w_qkv.weight", "blocks.0.mixer.conv"):
+        q, k, v = sd[name].split([H * K, H * K, r * H * K])
+        rep = lambda w: w.view(H, K, -1).repeat_interleave(r, dim=0).reshape(r * H * K, -1)  # noqa: E731
+        sd[name] = torch.cat([rep(q), rep(k), v])
+    full.load_state_dict(sd)
+    idx = torch.randint(0, 61, (2, 13))
+    torch.testing.assert_close(grouped(idx)[0], full(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer, message", [
+    ({**ATTN, "rope_fraction": 0.0}, "model.layers.a.rope_fraction: must be in (0, 1]"),
+    ({**ATTN, "rope_fraction": 0.1}, "model.layers.a.rope_fraction: must be a share of head_dim=16"),
+    ({**ATTN, "output_gate": "yes"}, "model.layers.a.output_gate: must be true or false"),
+    ({"kind": "gdn", "n_heads": 2, "n_v_heads": 3}, "model.layers.a.n_v_heads: must be a multiple of n_heads=2"),
+])
+def test_bad_options_are_refused_in_one_line(layer, message):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict({"d_model": 32, "layers": {"a": layer}, "pattern": ["a"]})
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
