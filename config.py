@@ -7,7 +7,7 @@ refused while loading with a ConfigError: one line naming the key and what is al
 """
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import yaml
@@ -20,6 +20,7 @@ DATA_KINDS = ("stdlib", "bin", "mqar")
 PARALLEL = ("ddp", "fsdp")
 OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("auto", "bf16", "fp32")
+STOP_METRICS = ("val_acc", "val_loss", "val_bpb")  # train.stop_at keys: *_acc must reach >=, the rest <=
 
 
 @dataclass
@@ -66,6 +67,7 @@ class TrainConfig:
     compile: bool = False               # torch.compile the model
     keep_last: int = 3                  # checkpoints kept in out_dir (older ones are deleted)
     max_bad_steps: int = 5              # non-finite losses in a row before the run stops
+    stop_at: dict = field(default_factory=dict)  # early stop after an eval, e.g. {val_acc: 0.99}
 
     def check(self, path, model):
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_interval",
@@ -85,6 +87,10 @@ class TrainConfig:
         require(self.optimizer in OPTIMIZERS, f"{path}.optimizer", f"one of {', '.join(OPTIMIZERS)}", self.optimizer)
         require(self.muon_lr > 0, f"{path}.muon_lr", "> 0", self.muon_lr)
         require(self.precision in PRECISIONS, f"{path}.precision", f"one of {', '.join(PRECISIONS)}", self.precision)
+        for key, value in self.stop_at.items():
+            require(key in STOP_METRICS, f"{path}.stop_at.{key}", f"one of {', '.join(STOP_METRICS)}", key)
+            require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{path}.stop_at.{key}",
+                    "a number (the target the eval metric must reach)", value)
 
 
 @dataclass

@@ -46,6 +46,13 @@ def lr_at(step, tc):
     return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def target_reached(metrics, stop_at):
+    """train.stop_at: True when every eval metric named there reached its target (accuracies from
+    above, losses from below); False when stop_at is empty."""
+    return bool(stop_at) and all(
+        k in metrics and (metrics[k] >= v if k.endswith("acc") else metrics[k] <= v) for k, v in stop_at.items())
+
+
 # ----------------------------------------------------------------------------------------------
 # Optimizers
 
@@ -529,12 +536,17 @@ def _train(cfg, pg, resume, quiet, stop_at):
                     post["mfu"] = f"{100 * util:.1f}%"
                 bar.set_postfix(post)
                 t_last, loss_sum, n_sum, n_steps, aux_sums = time.time(), 0.0, 0, 0, {}
+            reached = False
             if step % tc.eval_interval == 0 or step == tc.max_steps:
                 metrics = evaluate()
+                reached = target_reached(metrics, tc.stop_at)
                 if not quiet:
-                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if step % tc.ckpt_interval == 0 or step == tc.max_steps or step == stop_at or stop_now:
+                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) +
+                              (f" (train.stop_at {tc.stop_at} reached: stopping)" if reached else ""))
+            if step % tc.ckpt_interval == 0 or step == tc.max_steps or step == stop_at or stop_now or reached:
                 checkpoint()
+            if reached:
+                break
             if stop_now:
                 if not quiet:
                     bar.write(f"stopped by a signal after step {step}; checkpoint saved, resume with --resume")
