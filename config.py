@@ -12,11 +12,12 @@ from typing import Optional
 
 import yaml
 
+from data import SYNTHETIC_KINDS
 from model import ConfigError, ModelConfig, build, positive, require
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "default.yaml")
-DATA_KINDS = ("stdlib", "bin", "mqar")
+DATA_KINDS = ("stdlib", "bin") + SYNTHETIC_KINDS
 PARALLEL = ("ddp", "fsdp")
 OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -25,10 +26,10 @@ STOP_METRICS = ("val_acc", "val_loss", "val_bpb")  # train.stop_at keys: *_acc m
 
 @dataclass
 class DataConfig:
-    kind: str = "stdlib"                # stdlib (embedded corpus), bin (prepared shards), mqar
+    kind: str = "stdlib"                # stdlib (embedded corpus), bin (prepared shards), mqar, palindrome, stack
     dir: Optional[str] = None           # bin: folder of train_*.bin / val_*.bin; stdlib: cache folder
     n_pairs: int = 8                    # mqar: key-value pairs per sequence
-    mqar_vocab: Optional[int] = None    # mqar: tokens used (null = model.vocab_size)
+    mqar_vocab: Optional[int] = None    # mqar, palindrome, stack: tokens used (null = model.vocab_size)
 
     def check(self, path, model):
         require(self.kind in DATA_KINDS, f"{path}.kind", f"one of {', '.join(DATA_KINDS)}", self.kind)
@@ -139,6 +140,10 @@ def from_raw(raw):
     data.check("data", model)
     train = build(TrainConfig, raw.get("train"), "train")
     train.check("train", model)
+    reported = ("val_loss", "val_acc") if data.kind in SYNTHETIC_KINDS else ("val_loss", "val_bpb")
+    for key in train.stop_at:
+        require(key in reported, f"train.stop_at.{key}", f"a metric data.kind={data.kind} reports "
+                f"({', '.join(reported)})", key)
     return Config(model, data, train, copy.deepcopy(raw))
 
 

@@ -5,6 +5,8 @@
     python evals.py needle --ckpt out/x --factors 1,2,4   # a fact planted at a depth, asked at the end
     python evals.py length --ckpt out/x --factor 4        # loss by position up to 4x the training length
     python evals.py streaming --ckpt out/x --budget 64    # StreamingLLM eviction: full / window / sinks+window
+    python evals.py palindrome --ckpt out/x --seq_len 512 # copy in reverse (Kimi Linear), any length
+    python evals.py stack --ckpt out/x --seq_len 512      # what each pop returns (Kimi Linear), any length
     python evals.py --help ; python evals.py mqar --help
 
 Every eval is a function `eval_<name>(model, cfg, **options) -> dict`: the flat float entries are the
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from data import SYNTHETIC_KINDS, synthetic_batches
 from data.mqar import mqar_batch
 from model import Attention, apply_rope, rope_angles
 
@@ -34,7 +37,12 @@ def _device(model):
 
 
 def _is_text(cfg):
-    return cfg.data.kind != "mqar"
+    return cfg.data.kind not in SYNTHETIC_KINDS
+
+
+def _synthetic(cfg, n, seq_len, seed):
+    """n sequences of the config's synthetic task (MQAR, palindrome, stack) at any length -> x, y."""
+    return synthetic_batches(cfg.data, cfg.data.mqar_vocab or cfg.model.vocab_size, seq_len)(n, seed)
 
 
 def _mqar_args(cfg, seq_len=None, n_pairs=None):
@@ -182,6 +190,8 @@ def eval_needle(model, cfg, factors=(1, 2, 4), depths=(0.0, 0.25, 0.5, 0.75, 1.0
     length (so longer than every window and than training). MQAR models: the synthetic-vocab needle
     (_needle_mqar); byte-level text models: "The secret number is 48213." (_needle_text)."""
     contexts = [int(f * cfg.train.seq_len) for f in factors]
+    if cfg.data.kind in ("palindrome", "stack"):
+        raise ValueError(f"needle: defined for text and MQAR models, not data.kind={cfg.data.kind}")
     fn = _needle_text if _is_text(cfg) else _needle_mqar
     grid = fn(model, cfg, contexts, depths, n_trials, seed)
     out = {"grid": grid}
@@ -204,8 +214,7 @@ def eval_length(model, cfg, factor=4, n_seqs=16, n_buckets=16, seed=13):
     if _is_text(cfg):
         x, y = _text_batch(cfg, n_seqs, T)
     else:
-        _, P, V = _mqar_args(cfg)
-        x, y, _ = mqar_batch(n_seqs, T, P, V, [seed, 3 * 10 ** 9])
+        x, y = _synthetic(cfg, n_seqs, T, [seed, 3 * 10 ** 9])
     logits = model(x.to(_device(model)))[0].float().cpu()
     ce = F.cross_entropy(logits.transpose(1, 2), y.clamp(min=0), reduction="none")   # [n, T]
     ok = (logits.argmax(-1) == y).float()
@@ -298,8 +307,7 @@ def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4):
     if _is_text(cfg):
         x, y = _text_batch(cfg, n_seqs, L, offset=12345)
     else:
-        _, P, V = _mqar_args(cfg)
-        x, y, _ = mqar_batch(n_seqs, L, P, V, [17, 4 * 10 ** 9])
+        x, y = _synthetic(cfg, n_seqs, L, [17, 4 * 10 ** 9])
     x = x.to(_device(model))
     out = {}
     for name, b, s in [("full", None, 0), ("window", budget, 0), ("sinks+window", budget, n_sinks)]:
@@ -309,8 +317,45 @@ def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4):
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Palindrome and Stack (Kimi Linear's synthetic tasks, data/tasks.py)
+
+
+@torch.no_grad()
+def _labelled_accuracy(model, make, n_batches, batch_size, seed):
+    """acc: labelled positions predicted right; seq_acc: sequences with every labelled position right."""
+    hit = cnt = seq_ok = n_seq = 0
+    for i in range(n_batches):
+        x, y = make(batch_size, [seed, 5 * 10 ** 9 + i])
+        pred = model(x.to(_device(model)))[0].argmax(-1).cpu()
+        mask = y >= 0
+        ok = (pred == y) | ~mask
+        hit, cnt = hit + (ok & mask).sum().item(), cnt + mask.sum().item()
+        seq_ok, n_seq = seq_ok + ok.all(1).sum().item(), n_seq + len(y)
+    return {"acc": hit / cnt if cnt else float("nan"), "seq_acc": seq_ok / n_seq}
+
+
+def _task_eval(model, cfg, kind, n_batches, batch_size, seq_len, seed):
+    if cfg.data.kind != kind:
+        raise ValueError(f"{kind}: the model was trained on data.kind={cfg.data.kind}, not {kind}")
+    T = seq_len or cfg.train.seq_len
+    return _labelled_accuracy(model, lambda n, s: _synthetic(cfg, n, T, s), n_batches, batch_size, seed)
+
+
+def eval_palindrome(model, cfg, n_batches=4, batch_size=32, seq_len=0, seed=19):
+    """Palindrome (copy n tokens in reverse) at seq_len (0 = the training length): accuracy over the
+    reversed half, and the share of sequences reversed without a mistake."""
+    return _task_eval(model, cfg, "palindrome", n_batches, batch_size, seq_len, seed)
+
+
+def eval_stack(model, cfg, n_batches=4, batch_size=32, seq_len=0, seed=23):
+    """Stack (push / pop stream) at seq_len (0 = the training length): accuracy of the popped
+    tokens, and the share of sequences with every pop right."""
+    return _task_eval(model, cfg, "stack", n_batches, batch_size, seq_len, seed)
+
+
 EVALS = {"val": eval_val, "mqar": eval_mqar, "needle": eval_needle, "length": eval_length,
-         "streaming": eval_streaming}
+         "streaming": eval_streaming, "palindrome": eval_palindrome, "stack": eval_stack}
 
 
 def run_eval(name, model, cfg, options=None):

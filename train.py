@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import cost
 from config import from_raw, load_config, split_args
-from data import make_dataset
+from data import SYNTHETIC_KINDS, make_dataset
 from data.tokens import DataError, atomic_write
 from model import GPT, ConfigError
 
@@ -558,7 +558,7 @@ def _train(cfg, pg, resume, quiet, stop_at):
         bar.close()
         if log is not None:
             log.close()
-    if (cfg.data.kind != "mqar" and tc.sample_tokens and not quiet and not fsdp and cfg.model.vocab_size >= 257
+    if (cfg.data.kind not in SYNTHETIC_KINDS and tc.sample_tokens and not quiet and not fsdp and cfg.model.vocab_size >= 257
             and step == tc.max_steps):
         from data.stdlib import decode, encode  # byte-level corpus
         module.eval()
