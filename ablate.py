@@ -4,12 +4,18 @@
     python ablate.py sweeps/mqar.yaml --report     # only collect finished runs into results.md + plots
     python ablate.py sweeps/mqar.yaml --dry_run    # check the sweep file and print the runs
     python ablate.py sweeps/mqar.yaml --only attn,kda   # a subset (e.g. two processes), then --report
+    python ablate.py sweeps/mqar_lr.yaml --jobs 4  # 4 runs at once, one process each, a line per run
 
 A sweep file (YAML):
 
     base: sweeps/mqar_base.yaml          # the base config (path relative to the sweep file or repo root)
     out_dir: runs/mqar                   # the sweep folder
     seeds: [0, 1]                        # every variant runs once per seed (sets train.seed)
+    lrs: [1.0e-4, 4.6e-4, 2.2e-3, 1.0e-2]  # optional: every variant x seed once per peak lr (train.lr);
+                                         #   the report shows each variant at its best lr
+    stop_at: {val_acc: 0.99}             # optional: a run stops at the first eval reaching it
+    select: val_acc                      # optional: the final eval metric that picks the best lr
+                                         #   (default val_acc if the runs report it, else val_loss)
     overrides: [--train.max_steps=1500]  # applied to every variant (optional)
     variants:                            # name -> dotted overrides ({} = the base as is), as a
       attn: {}                           #   mapping of dotted keys to values, or a list of strings
@@ -21,14 +27,18 @@ A sweep file (YAML):
     threads: 1                           # torch threads (1 is fastest on a shared machine)
     decode_ctx: 256                      # context at which decode ms/token is measured (CPU)
 
-Each run trains in-process into <out_dir>/<variant>-s<seed>/ and ends with result.json, written
-atomically. A rerun skips runs with a result.json and resumes half-finished runs from their last
+Each run trains into <out_dir>/<variant>-s<seed>/ (with lrs: <variant>-lr<lr>-s<seed>/) and ends
+with result.json, written atomically; a run whose loss diverges (train.max_bad_steps) is recorded as
+diverged and loses the lr selection. `--jobs N` trains N runs at once in separate processes (each
+with `threads` torch threads) and prints a progress line as each run ends. A rerun skips runs with a result.json and resumes half-finished runs from their last
 checkpoint (train.py's resume), so an interrupted sweep continues where it stopped. A run being
-trained by another process (`--only` subsets that overlap) is skipped. The report is
-<out_dir>/results.md (one row per variant, seeds averaged) and PNG plots: loss curves, MQAR accuracy
+trained by another process (`--only` subsets that overlap, or parallel jobs) is skipped. The report
+is <out_dir>/results.md (one row per variant at its best lr: seeds averaged, the selection metric as
+mean ± sample std; with lrs, a second table gives every lr) and PNG plots of the best-lr runs: loss curves, MQAR accuracy
 by recall distance, cache bytes vs context (log-log), loss by position.
 """
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -38,7 +48,7 @@ import time
 
 import cost
 import evals
-from config import ROOT, apply_override, from_raw, read_yaml
+from config import ROOT, STOP_METRICS, apply_override, from_raw, read_yaml
 from data.tokens import DataError, write_json
 from model import ConfigError
 from plot import loss_curves, read_metrics  # noqa: F401  (read_metrics: ablate.read_metrics)
@@ -46,7 +56,8 @@ from plot import loss_curves, read_metrics  # noqa: F401  (read_metrics: ablate.
 SWEEP_KEYS = {"base": "path of the base config", "out_dir": "sweep folder", "seeds": "list of ints",
               "overrides": "list of dotted overrides for every variant", "variants": "name -> list of overrides",
               "evals": "eval name -> options", "threads": "torch threads", "decode_ctx": "int",
-              "description": "text"}
+              "description": "text", "lrs": "list of peak learning rates (train.lr), one run each",
+              "stop_at": "early-stop targets, e.g. {val_acc: 0.99}", "select": "metric picking the best lr"}
 CONTEXTS = cost.CONTEXTS
 
 
@@ -98,6 +109,19 @@ def load_sweep(path):
     if not isinstance(common, list):
         raise SweepError(f"{path}: overrides: must be a list of dotted overrides (got {common!r})")
     common = [_norm_override(o, f"{path}: overrides") for o in common]
+    lrs = raw.get("lrs")
+    if lrs is not None:
+        lrs = [_float(x) for x in lrs] if isinstance(lrs, list) else None
+        if not lrs or not all(x is not None and x > 0 for x in lrs) or len(set(map(_lr_tag, lrs))) != len(lrs):
+            raise SweepError(f"{path}: lrs: must be a non-empty list of distinct positive numbers (got {raw['lrs']!r})")
+    stop_at = raw.get("stop_at")
+    if stop_at is not None:
+        if not isinstance(stop_at, dict) or not stop_at:
+            raise SweepError(f"{path}: stop_at: must be a mapping of eval metric -> target, e.g. {{val_acc: 0.99}}")
+        common = common + [f"--train.stop_at={json.dumps(stop_at)}"]
+    select = raw.get("select")
+    if select is not None and select not in STOP_METRICS:
+        raise SweepError(f"{path}: select: must be one of {', '.join(STOP_METRICS)} (got {select!r})")
     variants = raw["variants"]
     if not isinstance(variants, dict) or not variants:
         raise SweepError(f"{path}: variants: must be a non-empty mapping of name -> list of overrides")
@@ -125,7 +149,8 @@ def load_sweep(path):
         raise SweepError(f"{path}: out_dir: must be a folder path (got {out_dir!r})")
     sweep = {"path": path, "base": base_path, "out_dir": out_dir, "seeds": seeds, "evals": evs,
              "threads": raw.get("threads", 1), "decode_ctx": raw.get("decode_ctx"),
-             "description": raw.get("description", ""), "common": common, "variants": {}}
+             "description": raw.get("description", ""), "common": common, "variants": {},
+             "lrs": lrs or [None], "select": select}
     for name, ovs in variants.items():
         name = str(name)
         if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
@@ -140,24 +165,43 @@ def load_sweep(path):
         ovs = [_norm_override(o, f"{path}: variants.{name}") for o in ovs]
         sweep["variants"][name] = ovs
         try:
-            config_for(sweep, name, seeds[0])
+            config_for(sweep, name, seeds[0], sweep["lrs"][0])
         except ConfigError as e:
             raise SweepError(f"{path}: variants.{name}: {e}") from None
     return sweep
 
 
-def config_for(sweep, variant, seed):
-    """The validated Config of one run: base + common overrides + the variant's + seed and out_dir."""
+def _float(x):
+    """A YAML number (1e-3 without a dot reads as a string) -> float, or None."""
+    try:
+        return None if isinstance(x, bool) else float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _lr_tag(lr):
+    return f"{lr:.3g}"
+
+
+def config_for(sweep, variant, seed, lr=None):
+    """The validated Config of one run: base + common overrides + the variant's + lr, seed, out_dir."""
     raw = read_yaml(sweep["base"])
     for o in sweep.get("common", []) + sweep["variants"][variant]:
         apply_override(raw, o)
+    if lr is not None:
+        apply_override(raw, f"--train.lr={lr!r}")
     apply_override(raw, f"--train.seed={seed}")
-    apply_override(raw, f"--train.out_dir={run_dir(sweep, variant, seed)}")
+    apply_override(raw, f"--train.out_dir={run_dir(sweep, variant, seed, lr)}")
     return from_raw(raw)
 
 
-def run_dir(sweep, variant, seed):
-    return os.path.join(sweep["out_dir"], f"{variant}-s{seed}")
+def run_dir(sweep, variant, seed, lr=None):
+    return os.path.join(sweep["out_dir"], f"{variant}" + (f"-lr{_lr_tag(lr)}" if lr is not None else "") + f"-s{seed}")
+
+
+def run_list(sweep, only=None):
+    """(variant, lr, seed) of every run in order; lr is None in a sweep without an lrs grid."""
+    return [(v, lr, s) for v in sweep["variants"] if not only or v in only for lr in sweep["lrs"] for s in sweep["seeds"]]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,19 +222,19 @@ def decode_ms_per_token(model, ctx, n=32):
     return (time.perf_counter() - t) / n * 1e3
 
 
-def run_one(sweep, variant, seed, stop_at=None, log=print):
+def run_one(sweep, variant, seed, stop_at=None, log=print, lr=None):
     """Train (or resume) one run, evaluate it and write result.json; returns the result, or None if
     stopped early (stop_at: simulate an interruption after that many steps) or running elsewhere (a
     `.running` file in the run folder holds the pid of the process running it)."""
-    folder = run_dir(sweep, variant, seed)
+    folder = run_dir(sweep, variant, seed, lr)
     done = os.path.join(folder, "result.json")
     if os.path.isfile(done):
         with open(done) as f:
             return json.load(f)
-    cfg = config_for(sweep, variant, seed)
+    cfg = config_for(sweep, variant, seed, lr)
     os.makedirs(folder, exist_ok=True)
     if not _lock(folder):
-        log(f"[{variant}-s{seed}] skipped: another process is running it")
+        log(f"[{os.path.basename(folder)}] skipped: another process is running it")
         return None
     try:
         return _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log)
@@ -229,11 +273,18 @@ def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
     import torch
     from sample import load_model
     from train import latest_checkpoint, train
-    ckpt = latest_checkpoint(folder)
-    log(f"[{variant}-s{seed}] " + (f"resuming from {os.path.basename(ckpt)}" if ckpt else "training") +
+    ckpt, name = latest_checkpoint(folder), os.path.basename(folder)
+    log(f"[{name}] " + (f"resuming from {os.path.basename(ckpt)}" if ckpt else "training") +
         f" ({' '.join(sweep['variants'][variant]) or 'base config'})")
     t0 = time.time()
-    train(cfg, resume=True if ckpt else None, quiet=True, stop_at=stop_at)
+    try:
+        train(cfg, resume=True if ckpt else None, quiet=True, stop_at=stop_at)
+    except FloatingPointError as e:  # the lr is too high: a result that loses the lr selection
+        result = {"variant": variant, "seed": seed, "lr": cfg.train.lr, "overrides": sweep["variants"][variant],
+                  "diverged": str(e), "final": {}, "evals": {}, "train_time_s": time.time() - t0}
+        write_json(done, result)
+        log(f"[{name}] diverged: {e}")
+        return result
     if stop_at is not None and stop_at < cfg.train.max_steps:
         return None
     model, _ = load_model(latest_checkpoint(folder))
@@ -241,7 +292,7 @@ def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
     train_rows = [r for r in metrics if "loss" in r]
     eval_rows = [r for r in metrics if "loss" not in r]
     tps = sorted(r["tokens_per_s"] for r in train_rows)
-    result = {"variant": variant, "seed": seed, "overrides": sweep["variants"][variant],
+    result = {"variant": variant, "seed": seed, "lr": cfg.train.lr, "overrides": sweep["variants"][variant],
               "params": model.num_params(), "train_tokens_per_s": tps[len(tps) // 2] if tps else None,
               "final": eval_rows[-1] if eval_rows else {}, "train_time_s": time.time() - t0, "evals": {}}
     for name, opts in sweep["evals"].items():
@@ -250,25 +301,63 @@ def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
             result["evals"][name] = evals.run_eval(name, model, cfg, opts)
         except ValueError as e:  # e.g. streaming on a model without global attention
             result["evals"][name] = {"skipped": str(e)}
-        log(f"[{variant}-s{seed}] eval {name}: " + ", ".join(
+        log(f"[{os.path.basename(folder)}] eval {name}: " + ", ".join(
             f"{k} {v:.4g}" for k, v in evals.scalars(result["evals"][name]).items()) + f" ({time.time() - t:.0f}s)")
     with torch.no_grad():
         result["decode_ms_per_token"] = decode_ms_per_token(model, sweep["decode_ctx"] or cfg.train.seq_len)
     write_json(done, result)
-    log(f"[{variant}-s{seed}] done in {time.time() - t0:.0f}s: " +
+    log(f"[{name}] done in {time.time() - t0:.0f}s: " +
         ", ".join(f"{k} {v:.4g}" for k, v in result["final"].items() if k != "step"))
     return result
 
 
-def run_sweep(sweep, stop_at=None, log=print, only=None):
-    """Run every variant x seed in order (only: a subset of variant names)."""
+def describe(result):
+    """One line for a finished run: its final eval, where it stopped, or why it has no result."""
+    if result is None:
+        return "skipped (running in another process)"
+    if result.get("diverged"):
+        return "diverged"
+    final = result.get("final", {})
+    text = ", ".join(f"{k} {v:.4g}" for k, v in final.items() if k != "step")
+    return text + (f" at step {final['step']}" if "step" in final else "")
+
+
+def _job(sweep, variant, lr, seed):
+    """One run in a worker process (--jobs): its own torch threads; errors come back as text."""
     import torch
     torch.set_num_threads(int(sweep["threads"]))
-    for variant in sweep["variants"]:
-        if only and variant not in only:
-            continue
-        for seed in sweep["seeds"]:
-            run_one(sweep, variant, seed, stop_at, log)
+    try:
+        return run_one(sweep, variant, seed, log=lambda m: print(m, flush=True), lr=lr), None
+    except (SweepError, ConfigError, DataError, ValueError, RuntimeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1):
+    """Run every variant x lr x seed (only: a subset of variant names). jobs > 1: that many runs at
+    once, each in its own process; a progress line per finished run either way."""
+    import torch
+    runs = run_list(sweep, only)
+    todo = [r for r in runs if not os.path.isfile(os.path.join(run_dir(sweep, r[0], r[2], r[1]), "result.json"))]
+    n, t0 = len(runs), time.time()
+    if len(todo) < n:
+        log(f"{n - len(todo)} of {n} runs already finished")
+
+    def progress(i, run, result, error=None):
+        name = os.path.basename(run_dir(sweep, run[0], run[2], run[1]))
+        log(f"[{n - len(todo) + i}/{n}] {name}: {error or describe(result)} ({time.time() - t0:.0f}s into the sweep)")
+
+    if jobs <= 1 or stop_at is not None:
+        torch.set_num_threads(int(sweep["threads"]))
+        for i, (variant, lr, seed) in enumerate(todo, 1):
+            progress(i, (variant, lr, seed), run_one(sweep, variant, seed, stop_at, log, lr=lr))
+        return
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = {pool.submit(_job, sweep, v, lr, s): (v, lr, s) for v, lr, s in todo}
+        for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+            result, error = fut.result()
+            progress(i, futures[fut], result, error)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,19 +378,86 @@ def _fmt(x, digits=3):
 
 
 def collect(sweep):
-    """{variant: [result per finished seed]}."""
+    """{variant: [result of every finished run, all lrs and seeds]}."""
     out = {}
-    for variant in sweep["variants"]:
-        for seed in sweep["seeds"]:
-            path = os.path.join(run_dir(sweep, variant, seed), "result.json")
-            if os.path.isfile(path):
-                with open(path) as f:
-                    out.setdefault(variant, []).append(json.load(f))
+    for variant, lr, seed in run_list(sweep):
+        path = os.path.join(run_dir(sweep, variant, seed, lr), "result.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                out.setdefault(variant, []).append(json.load(f))
     return out
 
 
-def results_table(sweep, results):
-    """The markdown table: one row per variant (mean over its finished seeds)."""
+def result_dir(sweep, result):
+    return run_dir(sweep, result["variant"], result["seed"], result["lr"] if sweep["lrs"] != [None] else None)
+
+
+def _std(xs):
+    """Sample standard deviation (0 for a single value)."""
+    xs = [x for x in xs if x is not None]
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0 if xs else None
+
+
+def select_metric(sweep, results):
+    """(name, higher_is_better) of the metric that picks the best lr: the sweep's `select`, else
+    val_acc when runs report it, else val_loss."""
+    name = sweep.get("select") or ("val_acc" if any("val_acc" in r["final"] for rs in results.values()
+                                                    for r in rs) else "val_loss")
+    return name, name.endswith("acc")
+
+
+def by_lr(results):
+    """{lr: [results]} in lr order."""
+    out = {}
+    for r in sorted(results, key=lambda r: r.get("lr") or 0):
+        out.setdefault(r.get("lr"), []).append(r)
+    return out
+
+
+def best_lr(sweep, rs, metric):
+    """The lr whose seeds have the best mean `metric` (diverged runs count as the worst); ties go to
+    the lr whose runs ended first (early stopping), then the smaller lr. -> (lr, its results)."""
+    name, higher = metric
+
+    def score(group):
+        vals = [r["final"].get(name) for r in group]
+        if any(v is None for v in vals):  # diverged or never evaluated
+            return (-math.inf, 0)
+        m = _mean(vals)
+        return (m if higher else -m, -_mean([r["final"].get("step", 0) for r in group]))
+    groups = by_lr(rs)
+    lr = max(groups, key=lambda k: (score(groups[k]), -(k or 0)))
+    return lr, groups[lr]
+
+
+def mean_pm(xs):
+    """'mean ± sample std' of the non-missing values."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "–"
+    return _fmt(_mean(xs)) + (f" ± {_fmt(_std(xs), 2)}" if len(xs) > 1 else "")
+
+
+def lr_table(sweep, results, metric):
+    """Every variant x lr: the selection metric, mean ± std over seeds (diverged runs marked)."""
+    lrs = sorted({r.get("lr") for rs in results.values() for r in rs})
+    lines = ["| variant | " + " | ".join(f"lr {_lr_tag(lr)}" for lr in lrs) + " |", "|" + "---|" * (len(lrs) + 1)]
+    for variant, rs in results.items():
+        groups, cells = by_lr(rs), []
+        for lr in lrs:
+            g = groups.get(lr, [])
+            n_div = sum(1 for r in g if r.get("diverged"))
+            cell = mean_pm([r["final"].get(metric[0]) for r in g if not r.get("diverged")]) if g else "–"
+            cells.append(cell + (f" ({n_div} diverged)" if n_div else "") + (f" (n={len(g)})" if g else ""))
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def results_table(sweep, results, metric=None):
+    """The markdown table: one row per variant (mean over its finished seeds; results at one lr)."""
+    results = {v: [r for r in rs if not r.get("diverged")] for v, rs in results.items()}
+    results = {v: rs for v, rs in results.items() if rs}
     eval_cols = []
     for rs in results.values():
         for r in rs:
@@ -314,12 +470,17 @@ def results_table(sweep, results):
         for k in rs[0]["final"]:
             if k != "step" and k not in final_cols:
                 final_cols.append(k)
-    head = ["variant", "seeds", "params", "train tok/s"] + [f"final {k}" for k in final_cols] + \
+    lr_cols = ["lr", f"{metric[0]} (mean ± std)", "steps"] if metric else []
+    head = ["variant", "seeds"] + lr_cols + ["params", "train tok/s"] + [f"final {k}" for k in final_cols] + \
         [f"{n} {k}" for n, k in eval_cols] + [f"cache @{cost.ctx_label(L)}" for L in CONTEXTS] + ["decode ms/tok"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, rs in results.items():
         cfg = config_for(sweep, variant, rs[0]["seed"])
-        cells = [variant, str(len(rs)), cost.human(rs[0]["params"]),
+        cells = [variant, str(len(rs))]
+        if metric:
+            cells += [f"{rs[0]['lr']:.3g}", mean_pm([r["final"].get(metric[0]) for r in rs]),
+                      _fmt(_mean([r["final"].get("step") for r in rs]))]
+        cells += [cost.human(rs[0]["params"]),
                  cost.human(_mean([r["train_tokens_per_s"] for r in rs]) or 0)]
         cells += [_fmt(_mean([r["final"].get(k) for r in rs])) for k in final_cols]
         cells += [_fmt(_mean([r["evals"].get(n, {}).get(k) for r in rs])) for n, k in eval_cols]
@@ -343,7 +504,7 @@ def make_plots(sweep, results):
         made.append(name)
 
     # training loss and the eval metric over steps (plot.py, also for single runs)
-    loss_curves({variant: read_metrics(run_dir(sweep, variant, rs[0]["seed"])) for variant, rs in results.items()},
+    loss_curves({variant: read_metrics(result_dir(sweep, rs[0])) for variant, rs in results.items()},
                 os.path.join(out, "loss_curves.png"))
     made.append("loss_curves.png")
 
@@ -398,18 +559,28 @@ def make_plots(sweep, results):
 
 
 def write_report(sweep):
-    results = collect(sweep)
-    if not results:
+    every = collect(sweep)
+    if not every:
         return None
-    plots = make_plots(sweep, results)
+    metric = select_metric(sweep, every)
+    grid = sweep["lrs"] != [None]
+    results = {v: best_lr(sweep, rs, metric)[1] for v, rs in every.items()} if grid else every
+    plots = make_plots(sweep, {v: rs for v, rs in results.items() if not rs[0].get("diverged")})
     cfg0 = config_for(sweep, next(iter(results)), results[next(iter(results))][0]["seed"])
     tc = cfg0.train
+    lrs = (f"lr grid {[float(_lr_tag(x)) for x in sweep['lrs']]}, each variant at its best lr by mean "
+           f"final {metric[0]}" if grid else f"lr {tc.lr:g}")
+    stop = f"; early stop at {tc.stop_at}" if tc.stop_at else ""
     lines = [f"# Sweep {os.path.basename(sweep['path'])}", "", sweep["description"].strip(), "",
              f"Base `{os.path.relpath(sweep['base'], ROOT)}`; seeds {sweep['seeds']}; "
-             f"{tc.max_steps} steps x {tc.batch_size} x {tc.seq_len} tokens, lr {tc.lr:g}. "
+             f"{tc.max_steps} steps x {tc.batch_size} x {tc.seq_len} tokens, {lrs}{stop}. "
              "Cache bytes: analytic (cost.py), bf16, batch 1. decode ms/tok: CPU, batch 1, at context "
-             f"{sweep['decode_ctx'] or tc.seq_len}. Seeds averaged.", "", results_table(sweep, results), "",
-             "Variants:", ""]
+             f"{sweep['decode_ctx'] or tc.seq_len}. Seeds averaged.", "",
+             results_table(sweep, results, metric if grid else None), ""]
+    if grid:
+        lines += [f"Final {metric[0]} at every lr (mean ± sample std over seeds; n = finished runs):", "",
+                  lr_table(sweep, every, metric), ""]
+    lines += ["Variants:", ""]
     for v, ovs in sweep["variants"].items():
         lines.append(f"- `{v}`: {' '.join(f'`{o}`' for o in ovs) or 'the base config'}")
     lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -427,23 +598,26 @@ def main(argv=None):
     p.add_argument("--out_dir", default=None, help="override the sweep folder")
     p.add_argument("--only", default=None, help="comma-separated variants to run (e.g. to split a sweep over "
                    "two processes; finish with --report)")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process each (default 1; "
+                   f"this machine has {os.cpu_count()} cores)")
     args = p.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep)
         if args.out_dir:
             sweep["out_dir"] = args.out_dir
         if args.dry_run:
-            for v in sweep["variants"]:
-                for s in sweep["seeds"]:
-                    print(run_dir(sweep, v, s), " ".join(sweep["variants"][v]))
+            for v, lr, s in run_list(sweep):
+                print(run_dir(sweep, v, s, lr), " ".join(sweep["variants"][v]))
             return 0
+        if args.jobs < 1:
+            raise SweepError(f"--jobs: must be an integer >= 1 (got {args.jobs})")
         only = args.only.split(",") if args.only else None
         for v in only or []:
             if v not in sweep["variants"]:
                 raise SweepError(f"--only: {v!r} is not a variant of {args.sweep} ({', '.join(sweep['variants'])})")
         if not args.report:
             os.makedirs(sweep["out_dir"], exist_ok=True)
-            run_sweep(sweep, log=lambda m: print(m, flush=True), only=only)
+            run_sweep(sweep, log=lambda m: print(m, flush=True), only=only, jobs=args.jobs)
         path = write_report(sweep)
     except (SweepError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)

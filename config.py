@@ -7,27 +7,29 @@ refused while loading with a ConfigError: one line naming the key and what is al
 """
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import yaml
 
+from data import SYNTHETIC_KINDS
 from model import ConfigError, ModelConfig, build, positive, require
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "default.yaml")
-DATA_KINDS = ("stdlib", "bin", "mqar")
+DATA_KINDS = ("stdlib", "bin") + SYNTHETIC_KINDS
 PARALLEL = ("ddp", "fsdp")
 OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("auto", "bf16", "fp32")
+STOP_METRICS = ("val_acc", "val_loss", "val_bpb")  # train.stop_at keys: *_acc must reach >=, the rest <=
 
 
 @dataclass
 class DataConfig:
-    kind: str = "stdlib"                # stdlib (embedded corpus), bin (prepared shards), mqar
+    kind: str = "stdlib"                # stdlib (embedded corpus), bin (prepared shards), mqar, palindrome, stack
     dir: Optional[str] = None           # bin: folder of train_*.bin / val_*.bin; stdlib: cache folder
     n_pairs: int = 8                    # mqar: key-value pairs per sequence
-    mqar_vocab: Optional[int] = None    # mqar: tokens used (null = model.vocab_size)
+    mqar_vocab: Optional[int] = None    # mqar, palindrome, stack: tokens used (null = model.vocab_size)
     pack: bool = False                  # stdlib/bin: rows of whole documents, boundaries to the model
 
     def check(self, path, model):
@@ -72,6 +74,7 @@ class TrainConfig:
     threads: int = 0                    # torch CPU threads (0 = torch's default: OMP_NUM_THREADS or all cores)
     init_from: Optional[str] = None     # a checkpoint (file or folder) whose weights start a fresh run
                                         # (e.g. one `convert.py from-hf` wrote); --resume takes precedence
+    stop_at: dict = field(default_factory=dict)  # early stop after an eval, e.g. {val_acc: 0.99}
 
     def check(self, path, model):
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_interval",
@@ -93,6 +96,10 @@ class TrainConfig:
         require(self.optimizer in OPTIMIZERS, f"{path}.optimizer", f"one of {', '.join(OPTIMIZERS)}", self.optimizer)
         require(self.muon_lr > 0, f"{path}.muon_lr", "> 0", self.muon_lr)
         require(self.precision in PRECISIONS, f"{path}.precision", f"one of {', '.join(PRECISIONS)}", self.precision)
+        for key, value in self.stop_at.items():
+            require(key in STOP_METRICS, f"{path}.stop_at.{key}", f"one of {', '.join(STOP_METRICS)}", key)
+            require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{path}.stop_at.{key}",
+                    "a number (the target the eval metric must reach)", value)
 
 
 @dataclass
@@ -149,6 +156,10 @@ def from_raw(raw):
     data.check("data", model)
     train = build(TrainConfig, raw.get("train"), "train")
     train.check("train", model)
+    reported = ("val_loss", "val_acc") if data.kind in SYNTHETIC_KINDS else ("val_loss", "val_bpb")
+    for key in train.stop_at:
+        require(key in reported, f"train.stop_at.{key}", f"a metric data.kind={data.kind} reports "
+                f"({', '.join(reported)})", key)
     return Config(model, data, train, copy.deepcopy(raw))
 
 

@@ -6,6 +6,8 @@
     python evals.py length --ckpt out/x --factor 4        # loss by position up to 4x the training length
     python evals.py streaming --ckpt out/x --budget 64    # StreamingLLM eviction: full / window / sinks+window
     python evals.py kv_policies --ckpt out/x --budgets 32,64   # the serving engine's KV policies vs full
+    python evals.py palindrome --ckpt out/x --seq_len 512 # copy in reverse (Kimi Linear), any length
+    python evals.py stack --ckpt out/x --seq_len 512      # what each pop returns (Kimi Linear), any length
     python evals.py --help ; python evals.py mqar --help
 
 Every eval is a function `eval_<name>(model, cfg, **options) -> dict`: the flat float entries are the
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from data import SYNTHETIC_KINDS, synthetic_batches
 from data.mqar import mqar_batch
 from model import Attention, apply_rope, rope_angles
 
@@ -35,7 +38,12 @@ def _device(model):
 
 
 def _is_text(cfg):
-    return cfg.data.kind != "mqar"
+    return cfg.data.kind not in SYNTHETIC_KINDS
+
+
+def _synthetic(cfg, n, seq_len, seed):
+    """n sequences of the config's synthetic task (MQAR, palindrome, stack) at any length -> x, y."""
+    return synthetic_batches(cfg.data, cfg.data.mqar_vocab or cfg.model.vocab_size, seq_len)(n, seed)
 
 
 def _mqar_args(cfg, seq_len=None, n_pairs=None):
@@ -183,6 +191,8 @@ def eval_needle(model, cfg, factors=(1, 2, 4), depths=(0.0, 0.25, 0.5, 0.75, 1.0
     length (so longer than every window and than training). MQAR models: the synthetic-vocab needle
     (_needle_mqar); byte-level text models: "The secret number is 48213." (_needle_text)."""
     contexts = [int(f * cfg.train.seq_len) for f in factors]
+    if cfg.data.kind in ("palindrome", "stack"):
+        raise ValueError(f"needle: defined for text and MQAR models, not data.kind={cfg.data.kind}")
     fn = _needle_text if _is_text(cfg) else _needle_mqar
     grid = fn(model, cfg, contexts, depths, n_trials, seed)
     out = {"grid": grid}
@@ -205,8 +215,7 @@ def eval_length(model, cfg, factor=4, n_seqs=16, n_buckets=16, seed=13):
     if _is_text(cfg):
         x, y = _text_batch(cfg, n_seqs, T)
     else:
-        _, P, V = _mqar_args(cfg)
-        x, y, _ = mqar_batch(n_seqs, T, P, V, [seed, 3 * 10 ** 9])
+        x, y = _synthetic(cfg, n_seqs, T, [seed, 3 * 10 ** 9])
     logits = model(x.to(_device(model)))[0].float().cpu()
     ce = F.cross_entropy(logits.transpose(1, 2), y.clamp(min=0), reduction="none")   # [n, T]
     ok = (logits.argmax(-1) == y).float()
@@ -305,8 +314,7 @@ def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4):
     if _is_text(cfg):
         x, y = _text_batch(cfg, n_seqs, L, offset=12345)
     else:
-        _, P, V = _mqar_args(cfg)
-        x, y, _ = mqar_batch(n_seqs, L, P, V, [17, 4 * 10 ** 9])
+        x, y = _synthetic(cfg, n_seqs, L, [17, 4 * 10 ** 9])
     x = x.to(_device(model))
     out = {}
     for name, b, s in [("full", None, 0), ("window", budget, 0), ("sinks+window", budget, n_sinks)]:
@@ -436,8 +444,47 @@ def eval_kv_policies(model, cfg, policies=("streaming", "h2o", "snapkv", "quest"
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Palindrome and Stack (Kimi Linear's synthetic tasks, data/tasks.py)
+
+
+@torch.no_grad()
+def _labelled_accuracy(model, make, n_batches, batch_size, seed):
+    """acc: labelled positions predicted right; seq_acc: sequences with every labelled position right."""
+    hit = cnt = seq_ok = n_seq = 0
+    for i in range(n_batches):
+        x, y = make(batch_size, [seed, 5 * 10 ** 9 + i])
+        pred = model(x.to(_device(model)))[0].argmax(-1).cpu()
+        mask = y >= 0
+        ok = (pred == y) | ~mask
+        hit, cnt = hit + (ok & mask).sum().item(), cnt + mask.sum().item()
+        seq_ok, n_seq = seq_ok + ok.all(1).sum().item(), n_seq + len(y)
+    return {"acc": hit / cnt if cnt else float("nan"), "seq_acc": seq_ok / n_seq}
+
+
+def _task_eval(model, cfg, kind, n_batches, batch_size, seq_len, seed):
+    if cfg.data.kind != kind:
+        raise ValueError(f"{kind}: the model was trained on data.kind={cfg.data.kind}, not {kind}")
+    T = seq_len or cfg.train.seq_len
+    return _labelled_accuracy(model, lambda n, s: _synthetic(cfg, n, T, s), n_batches, batch_size, seed)
+
+
+def eval_palindrome(model, cfg, n_batches=4, batch_size=32, seq_len=0, seed=19):
+    """Palindrome (copy n tokens in reverse) at seq_len (0 = the training length): accuracy over the
+    reversed half, and the share of sequences reversed without a mistake."""
+    return _task_eval(model, cfg, "palindrome", n_batches, batch_size, seq_len, seed)
+
+
+def eval_stack(model, cfg, n_batches=4, batch_size=32, seq_len=0, seed=23):
+    """Stack (push / pop stream) at seq_len (0 = the training length): accuracy of the popped
+    tokens, and the share of sequences with every pop right."""
+    return _task_eval(model, cfg, "stack", n_batches, batch_size, seq_len, seed)
+
+
 EVALS = {"val": eval_val, "mqar": eval_mqar, "needle": eval_needle, "length": eval_length,
-         "streaming": eval_streaming, "kv_policies": eval_kv_policies}
+         "streaming": eval_streaming, "kv_policies": eval_kv_policies, "palindrome": eval_palindrome,
+         "stack": eval_stack}
+
 
 
 def _at_least(lo):
@@ -446,6 +493,7 @@ def _at_least(lo):
 
 _POSITIVE = _at_least(1)
 _ABOVE_0 = ((lambda v: v > 0), "> 0")
+KV_POLICIES = ("streaming", "h2o", "snapkv", "quest", "offload")
 # option -> (test, what is allowed), per eval; tuples are tested element by element
 OPTION_RULES = {
     "val": {"n_batches": _POSITIVE},
@@ -454,6 +502,10 @@ OPTION_RULES = {
     "length": {"factor": ((lambda v: v >= 1), ">= 1 (a multiple of the training length)"),
                "n_seqs": _POSITIVE, "n_buckets": _POSITIVE},
     "streaming": {"factor": _ABOVE_0, "budget": _POSITIVE, "n_sinks": _at_least(0), "n_seqs": _POSITIVE},
+    "kv_policies": {"policies": ((lambda v: v in KV_POLICIES), f"one of {', '.join(KV_POLICIES)}"),
+                    "budgets": _POSITIVE, "factor": _ABOVE_0, "n_seqs": _POSITIVE, "block_size": _POSITIVE},
+    "palindrome": {"n_batches": _POSITIVE, "batch_size": _POSITIVE, "seq_len": _at_least(0)},
+    "stack": {"n_batches": _POSITIVE, "batch_size": _POSITIVE, "seq_len": _at_least(0)},
 }
 
 
@@ -466,8 +518,9 @@ def check_options(name, options, cfg=None):
             raise ValueError(f"evals.{name}.{key}: unknown option; allowed: {', '.join(allowed)}")
         test, what = OPTION_RULES[name].get(key, ((lambda v: True), ""))
         values = value if isinstance(value, (tuple, list)) else [value]
-        if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and test(v)
-                                 for v in values):
+        typed = (lambda v: isinstance(v, str)) if key == "policies" else (
+            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+        if not values or not all(typed(v) and test(v) for v in values):
             raise ValueError(f"evals.{name}.{key}: must be {what}{' (each)' if isinstance(value, (tuple, list)) else ''}"
                              f" (got {value!r})")
     if name == "streaming" and options.get("n_sinks", 4) >= options.get("budget", 64):

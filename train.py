@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import cost
 from config import from_raw, load_config, split_args
-from data import make_dataset
+from data import SYNTHETIC_KINDS, make_dataset
 from data.tokens import DataError, atomic_write
 from model import GPT, ConfigError
 
@@ -45,6 +45,13 @@ def lr_at(step, tc):
         return tc.lr * (step + 1) / tc.warmup_steps
     progress = (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps)
     return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def target_reached(metrics, stop_at):
+    """train.stop_at: True when every eval metric named there reached its target (accuracies from
+    above, losses from below); False when stop_at is empty."""
+    return bool(stop_at) and all(
+        k in metrics and (metrics[k] >= v if k.endswith("acc") else metrics[k] <= v) for k, v in stop_at.items())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,16 +384,21 @@ def _train(cfg, pg, resume, quiet, stop_at, overwrite=False):
     try:
         while run.step < tc.max_steps:
             stop_now = run.train_step(stopper, bar)
+            reached = False
             step = run.step
             bar.update(1)
             if step % tc.log_interval == 0 or step == tc.max_steps:
                 run.log_train(bar)
             if step % tc.eval_interval == 0 or step == tc.max_steps:
                 metrics = run.evaluate()
+                reached = target_reached(metrics, tc.stop_at)
                 if not run.quiet:
-                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if step % tc.ckpt_interval == 0 or step == tc.max_steps or step == stop_at or stop_now:
+                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) +
+                              (f" (train.stop_at {tc.stop_at} reached: stopping)" if reached else ""))
+            if step % tc.ckpt_interval == 0 or step == tc.max_steps or step == stop_at or stop_now or reached:
                 run.checkpoint()
+            if reached:
+                break
             if stop_now:
                 if not run.quiet:
                     bar.write(f"stopped by a signal after step {step}; checkpoint saved, resume with --resume")
@@ -700,7 +712,7 @@ class Run:
         Under FSDP the full weights are gathered (every rank) and rank 0 samples from a plain copy."""
         from data import corpus_codec
         cfg = self.cfg
-        if cfg.data.kind == "mqar":
+        if cfg.data.kind in SYNTHETIC_KINDS:
             return
         model = self.module
         if self.fsdp:

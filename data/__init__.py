@@ -1,5 +1,5 @@
 """Training data: token files (tokens.py), the embedded standard-library corpus (stdlib.py),
-synthetic MQAR (mqar.py), real corpora through Hugging Face datasets + tiktoken (prepare.py).
+synthetic MQAR (mqar.py), Palindrome and Stack (tasks.py), real corpora through Hugging Face datasets + tiktoken (prepare.py).
 
 make_dataset(cfg) gives the object train.py uses: next_batch() -> (x, y), or (x, y, cu_seqlens) with
 data.pack (packed documents, x and y [1, B*T]), evaluate(model), state_dict() / load_state_dict()
@@ -10,7 +10,10 @@ import math
 import torch
 
 from data.mqar import mqar_accuracy, mqar_batch
+from data.tasks import palindrome_batch, stack_batch
 from data.tokens import DataError, PackedLoader, TokenLoader, open_split
+
+SYNTHETIC_KINDS = ("mqar", "palindrome", "stack")  # generated on the fly; eval reports val_acc
 
 
 class TextData:
@@ -51,16 +54,25 @@ class TextData:
         return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2) * self.tokens_per_byte}
 
 
-class MQARData:
-    """Synthetic associative recall; batch i is generated from seed (seed, i): resumable exactly."""
+def synthetic_batches(d, vocab, seq_len):
+    """make(n, seed) -> x, y [n, seq_len] for a synthetic data kind (mqar, palindrome, stack)."""
+    if d.kind == "mqar":
+        return lambda n, seed: mqar_batch(n, seq_len, d.n_pairs, vocab, seed)[:2]
+    fn = {"palindrome": palindrome_batch, "stack": stack_batch}[d.kind]
+    return lambda n, seed: fn(n, seq_len, vocab, seed)
 
-    def __init__(self, n_pairs, vocab, batch_size, seq_len, seed, rank=0, world=1):
-        self.n_pairs, self.vocab, self.B, self.T, self.seed = n_pairs, vocab, batch_size, seq_len, seed
+
+class SyntheticData:
+    """A synthetic task (MQAR, Palindrome, Stack); batch i is generated from seed (seed, i): resumable
+    exactly. Eval: loss and accuracy at the labelled positions."""
+
+    def __init__(self, make, batch_size, seq_len, seed, rank=0, world=1):
+        self.make, self.B, self.T, self.seed = make, batch_size, seq_len, seed
         self.rank, self.world, self.index = rank, world, 0
-        mqar_batch(1, seq_len, n_pairs, vocab, 0)  # refuse impossible settings now
+        make(1, 0)  # refuse impossible settings now
 
     def next_batch(self):
-        x, y, _ = mqar_batch(self.world * self.B, self.T, self.n_pairs, self.vocab, [self.seed, self.index])
+        x, y = self.make(self.world * self.B, [self.seed, self.index])
         self.index += 1
         rows = slice(self.rank * self.B, (self.rank + 1) * self.B)
         return x[rows], y[rows]
@@ -76,7 +88,7 @@ class MQARData:
         losses, accs = [], []
         rows = slice(self.rank * self.B, (self.rank + 1) * self.B)
         for i in range(n_batches):  # a held-out seed stream, sliced by rank like next_batch
-            x, y, _ = mqar_batch(self.world * self.B, self.T, self.n_pairs, self.vocab, [self.seed, 10 ** 9 + i])
+            x, y = self.make(self.world * self.B, [self.seed, 10 ** 9 + i])
             x, y = x[rows], y[rows]
             logits, loss = model(x.to(device), y.to(device))
             losses.append(loss.item())
@@ -118,8 +130,9 @@ def make_dataset(cfg, rank=0, world=1):
         raise ConfigError(f"train.batch_size: must be divisible by the number of ranks {world} (it is the "
                           f"global micro-batch, split across ranks) (got {t.batch_size})")
     B = t.batch_size // world
-    if d.kind == "mqar":
-        return MQARData(d.n_pairs, d.mqar_vocab or m.vocab_size, B, t.seq_len, t.seed, rank, world)
+    if d.kind in SYNTHETIC_KINDS:
+        return SyntheticData(synthetic_batches(d, d.mqar_vocab or m.vocab_size, t.seq_len), B, t.seq_len, t.seed,
+                             rank, world)
     if d.kind == "stdlib":
         from data.stdlib import prepare_stdlib
         folder = prepare_stdlib(d.dir, quiet=rank != 0)

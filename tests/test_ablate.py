@@ -105,10 +105,66 @@ def test_sweep_runs_resumes_and_reports(tmp_path):
     # a finished sweep is skipped entirely
     logs.clear()
     ablate.run_sweep(sweep, log=logs.append)
-    assert logs == []
+    assert logs == ["2 of 2 runs already finished"]
     path = ablate.write_report(sweep)
     text = open(path).read()
     assert "| attn | 1 |" in text and "| hybrid | 1 |" in text and "mqar acc" in text and "cache @1M" in text
     for png in ("loss_curves.png", "acc_by_distance.png", "cache_bytes.png", "loss_by_position.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
     assert ablate.main([sweep["path"], "--report"]) == 0
+
+
+GRID = SWEEP.replace("seeds: [0]", "seeds: [0, 1]\nlrs: [1.0e-3, 3e-3]\nstop_at: {val_loss: 100}").replace(
+    "  hybrid: {model.pattern: [kda, attn]}\n", "").split("evals:")[0] + "evals:\n  mqar: {n_batches: 1, batch_size: 4}\n"
+
+
+@pytest.mark.parametrize("body,message", [
+    (GRID.replace("lrs: [1.0e-3, 3e-3]", "lrs: [0.001, -1]"), "lrs: must be a non-empty list of distinct positive"),
+    (GRID.replace("lrs: [1.0e-3, 3e-3]", "lrs: 1e-3"), "lrs: must be a non-empty list"),
+    (GRID.replace("lrs: [1.0e-3, 3e-3]", "lrs: [1e-3, 0.001]"), "lrs: must be a non-empty list of distinct"),
+    (GRID.replace("stop_at: {val_loss: 100}", "stop_at: {val_accuracy: 0.99}"), "train.stop_at.val_accuracy: must be one of"),
+    (GRID.replace("stop_at: {val_loss: 100}", "stop_at: 0.99"), "stop_at: must be a mapping"),
+    (GRID + "select: acc\n", "select: must be one of val_acc"),
+])
+def test_bad_grid_sweeps_are_one_line_errors(tmp_path, capsys, body, message):
+    assert ablate.main([write_sweep(tmp_path, body), "--dry_run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_lr_grid_seeds_early_stop_and_parallel_jobs(tmp_path, capsys):
+    path = write_sweep(tmp_path, GRID)
+    assert ablate.main([path, "--dry_run"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert [os.path.basename(p) for p in listed] == ["attn-lr0.001-s0", "attn-lr0.001-s1", "attn-lr0.003-s0",
+                                                     "attn-lr0.003-s1"]
+    sweep = ablate.load_sweep(path)
+    assert ablate.config_for(sweep, "attn", 1, 3e-3).train.lr == 3e-3
+    logs = []
+    ablate.run_sweep(sweep, log=logs.append, jobs=2)        # 4 runs, 2 processes at a time
+    progress = [m for m in logs if m.startswith("[") and "/4]" in m]
+    assert len(progress) == 4 and all("at step 6" in m for m in progress)   # stopped at the first eval
+    for name in listed:
+        r = json.loads(open(os.path.join(name, "result.json")).read())
+        assert r["final"]["step"] == 6 and r["lr"] in (1e-3, 3e-3) and os.path.isfile(os.path.join(name, "ckpt_6.pt"))
+    text = open(ablate.write_report(sweep)).read()
+    assert "lr grid [0.001, 0.003]" in text and "early stop at {'val_loss': 100}" in text
+    assert "| variant | lr 0.001 | lr 0.003 |" in text and "(n=2)" in text and " ± " in text
+    logs.clear()
+    ablate.run_sweep(sweep, log=logs.append, jobs=2)
+    assert logs == ["4 of 4 runs already finished"]
+
+
+def test_best_lr_is_the_best_mean_over_seeds():
+    def res(lr, acc, step=100, seed=0, diverged=False):
+        return {"variant": "v", "seed": seed, "lr": lr, "final": {} if diverged else {"val_acc": acc, "step": step},
+                **({"diverged": "nan"} if diverged else {})}
+    metric = ("val_acc", True)
+    rs = [res(1e-3, 0.9), res(1e-3, 0.5, seed=1), res(1e-2, 0.7), res(1e-2, 0.71, seed=1), res(1e-1, 0, diverged=True)]
+    assert ablate.best_lr({}, rs, metric)[0] == 1e-2            # mean 0.705 beats 0.7
+    rs += [res(3e-3, 1.0, step=500), res(3e-3, 1.0, step=500, seed=1), res(1e-4, 1.0, step=250),
+           res(1e-4, 1.0, step=250, seed=1)]
+    lr, group = ablate.best_lr({}, rs, metric)
+    assert lr == 1e-4 and len(group) == 2                       # a tie at 1.0 goes to the faster one
+    assert ablate.best_lr({}, [res(1e-3, 0.2), res(1e-2, 0, diverged=True)], ("val_loss", False))[0] == 1e-3
+    assert ablate.mean_pm([1.0, 0.5]) == "0.75 ± 0.35" and ablate.mean_pm([None]) == "–"

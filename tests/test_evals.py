@@ -116,3 +116,13 @@ def test_cli(tmp_path, capsys):
     assert evals.main(["needle", "--ckpt", str(tmp_path), "--factors", "1", "--depths", "0.5", "--n_trials", "2"]) == 0
     assert "acc@1x" in capsys.readouterr().out
     assert evals.main(["mqar", "--ckpt", str(tmp_path / "nope")]) == 2
+
+
+def test_kv_policies_and_task_options_are_checked_up_front():
+    """Every eval has option rules (kv_policies takes policy names, the tasks their sizes)."""
+    assert set(evals.OPTION_RULES) == set(evals.EVALS)
+    evals.check_options("kv_policies", {"policies": ("h2o", "quest"), "budgets": (8, 16)})
+    with pytest.raises(ValueError, match=r"evals.kv_policies.policies: must be one of streaming, h2o"):
+        evals.check_options("kv_policies", {"policies": ("h3o",)})
+    with pytest.raises(ValueError, match=r"evals.palindrome.n_batches: must be >= 1 \(got 0\)"):
+        evals.check_options("palindrome", {"n_batches": 0})
