@@ -567,7 +567,8 @@ def deepseek_hf_config(mc, family="deepseek_v32"):
 def deepseek_our_config(hf, family="deepseek_v32"):
     theta, _ = _rope(hf)
     refuse(not getattr(hf, "attention_bias", False), "config.json attention_bias=true: not converted")
-    refuse(getattr(hf, "rope_interleave", True), "config.json rope_interleave=false: only DeepSeek's interleaved MLA RoPE converts")
+    refuse(getattr(hf, "rope_interleave", True), "config.json rope_interleave=false: only DeepSeek's interleaved "
+           "MLA RoPE converts")
     mla = dict(kind="mla", n_heads=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
                qk_nope_dim=hf.qk_nope_head_dim, qk_rope_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
                rope=True, rope_theta=theta, norm_eps=DEEPSEEK_EPS,
