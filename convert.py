@@ -21,9 +21,12 @@ Families (chosen from the config on the way out, from config.json's model_type o
                  SwiGLU: mlp.bias + mlp.expert_act: swiglu_clamped); YaRN RoPE does not convert
 MoE converts for qwen3_next (softmax router, gated shared expert), kimi_linear and deepseek_v32 (sigmoid
 router with its balancing bias e_score_correction_bias, shared experts, routed scale, expert groups).
-A config no family can express is refused naming the option in the way; so is an HF folder of another
-family, a missing weight or a shape that does not fit: one line, exit 2, nothing written. Every output
-is written to a temporary name and renamed into place. Tokenizers are not converted.
+Top-k choices (experts, DSA keys) whose scores tie to fp32 rounding may go the other way in transformers,
+a discontinuity of top-k, not a difference of the models. DeepSeek's and Qwen3-Next's multi-token
+prediction weights are skipped on the way in. A config no family can express is refused naming the
+option in the way; so is an HF folder of another family, a missing weight or a shape that does not fit:
+one line, exit 2, nothing written. Every output is written to a temporary name and renamed into place.
+Tokenizers are not converted.
 """
 import argparse
 import dataclasses
@@ -540,6 +543,8 @@ def deepseek_hf_config(mc, family="deepseek_v32"):
     refuse(m.dsa is not None, f"{p}.dsa: null; {family} has the DSA indexer in every layer")
     refuse(m.q_lora_rank is not None, f"{p}.q_lora_rank: null; {family}'s MLA projects queries through q_lora_rank")
     refuse(m.rope, f"{p}.rope=false: {family}'s MLA has RoPE")
+    refuse(m.dsa.stage == "sparse", f"{p}.dsa.stage={m.dsa.stage!r}: {family} attends to the indexer's top-k "
+           f"keys; convert a checkpoint of the sparse stage")
     refuse(m.dsa.rope_dim == m.qk_rope_dim, f"{p}.dsa.rope_dim={m.dsa.rope_dim}: {family}'s indexer rotates "
            f"qk_rope_dim={m.qk_rope_dim} dims")
     refuse(mc.norm_eps == DEEPSEEK_EPS and m.norm_eps in (None, DEEPSEEK_EPS), f"model.norm_eps={mc.norm_eps!r}: "
@@ -562,7 +567,8 @@ def deepseek_hf_config(mc, family="deepseek_v32"):
 def deepseek_our_config(hf, family="deepseek_v32"):
     theta, _ = _rope(hf)
     refuse(not getattr(hf, "attention_bias", False), "config.json attention_bias=true: not converted")
-    refuse(getattr(hf, "rope_interleave", True), "config.json rope_interleave=false: only DeepSeek's interleaved MLA RoPE converts")
+    refuse(getattr(hf, "rope_interleave", True), "config.json rope_interleave=false: only DeepSeek's interleaved "
+           "MLA RoPE converts")
     mla = dict(kind="mla", n_heads=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
                qk_nope_dim=hf.qk_nope_head_dim, qk_rope_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
                rope=True, rope_theta=theta, norm_eps=DEEPSEEK_EPS,
