@@ -257,16 +257,19 @@ class RMSNorm(nn.Module):
 
 
 def rope_angles(positions, dim, theta):
-    """cos, sin [T, dim/2] for absolute `positions` [T] (half-split RoPE)."""
+    """cos, sin [T, dim/2] for absolute `positions` [T] (half-split RoPE); [B, T, dim/2] for [B, T]."""
     inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
 
-def token_positions(x, pos, cache, cu_seqlens):
+def token_positions(x, pos, cache, cu_seqlens, cp=None):
     """Positions [T] of the tokens of x [B, T, ...]: pos .. pos+T-1; with packed documents
-    (cu_seqlens, parallel path only) every token's position inside its own document."""
+    (cu_seqlens, parallel path only) every token's position inside its own document; under context
+    parallelism (cp) [B, T]: every row is a piece of the sequence with its own positions."""
     T = x.shape[1]
+    if cp is not None:
+        return cp.positions(x)
     if cu_seqlens is None:
         return torch.arange(pos, pos + T, device=x.device)
     if cache is not None:
@@ -275,10 +278,10 @@ def token_positions(x, pos, cache, cu_seqlens):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x [B, T, H, D] by angles cos, sin [T, D/2]: pairs are (x[i], x[i + D/2])."""
+    """Rotate x [B, T, H, D] by angles cos, sin [T, D/2] (or [B, T, D/2]): pairs are (x[i], x[i + D/2])."""
     d = x.shape[-1] // 2
     x1, x2 = x[..., :d].float(), x[..., d:].float()
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]         # broadcast over heads
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -332,12 +335,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(D, model.norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(Hq)) if cfg.sinks else None
 
-    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
         """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path.
-        cu_seqlens: packed documents (B == 1), positions restart at every document."""
+        cu_seqlens: packed documents (B == 1), positions restart at every document.
+        cp: context parallelism (context_parallel.py): x is the rank's pieces of the sequence."""
         B, T, _ = x.shape
         c = self.cfg
-        positions = token_positions(x, pos, cache, cu_seqlens)
+        positions = token_positions(x, pos, cache, cu_seqlens, cp)
         q = self.wq(x).view(B, T, c.n_heads, c.head_dim)
         k = self.wk(x).view(B, T, c.n_kv_heads, c.head_dim)
         v = self.wv(x).view(B, T, c.n_kv_heads, c.head_dim)
@@ -348,8 +352,11 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = self.update_cache(cache, k, v, pos)
-        o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend,
-                              cu_seqlens=cu_seqlens)
+        if cp is not None:
+            o = cp.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend)
+        else:
+            o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend,
+                                  cu_seqlens=cu_seqlens)
         return self.wo(o.reshape(B, T, -1))
 
     def new_cache(self, batch_size, max_len, device, dtype):
@@ -464,14 +471,20 @@ class DeltaNet(nn.Module):
                 dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
                 self.dt_bias.copy_(inverse_softplus(dt))
 
-    def short_conv(self, u, cache, doc_pos=None):
+    def short_conv(self, u, cache, doc_pos=None, cp=None):
         """Causal depthwise conv + SiLU over u [B, T, C]; the cache keeps the last conv_size-1 inputs.
         doc_pos [T] (packed documents): each token's position in its document; the conv then reads
-        only inputs of the token's own document (tap s, s tokens back, is dropped where doc_pos < s)."""
+        only inputs of the token's own document (tap s, s tokens back, is dropped where doc_pos < s).
+        cp (context parallelism): the conv_size-1 inputs before each piece come from the other ranks."""
         if not self.cfg.conv_size:
             return F.silu(u)
         width = self.cfg.conv_size
-        past = u.new_zeros(u.shape[0], width - 1, u.shape[2]) if cache is None else cache.conv.to(u.dtype)
+        if cp is not None:
+            past = cp.halo_padded(u, width - 1)
+        elif cache is None:
+            past = u.new_zeros(u.shape[0], width - 1, u.shape[2])
+        else:
+            past = cache.conv.to(u.dtype)
         full = torch.cat([past, u], dim=1)                                  # [B, width-1+T, C]
         if cache is not None:
             cache.conv.copy_(full[:, full.shape[1] - (width - 1):])
@@ -483,12 +496,12 @@ class DeltaNet(nn.Module):
         out = F.conv1d(full.transpose(1, 2), self.conv.to(u.dtype)[:, None, :], groups=u.shape[2])
         return F.silu(out.transpose(1, 2))                                  # [B, T, C]
 
-    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
         B, T, _ = x.shape
         c = self.cfg
         H, K, V = c.n_heads, c.head_dim, c.v_head_dim
         doc_pos = None if cu_seqlens is None else token_positions(x, pos, cache, cu_seqlens)
-        q, k, v = self.short_conv(self.w_qkv(x), cache, doc_pos).split(self.qkv_dims, dim=-1)
+        q, k, v = self.short_conv(self.w_qkv(x), cache, doc_pos, cp).split(self.qkv_dims, dim=-1)
         q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
         if c.qk_norm:
             q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
@@ -496,6 +509,8 @@ class DeltaNet(nn.Module):
         if c.kind == "linear":
             if state is not None and T == 1:
                 o = kernels.linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, scale=1.0)[:, None]
+            elif cp is not None:
+                o = cp.linear_attention(q, k, v, scale=1.0)
             else:
                 o, final = kernels.linear_attention(q, k, v, scale=1.0, initial_state=state,
                                                     output_final_state=state is not None, cu_seqlens=cu_seqlens)
@@ -507,6 +522,8 @@ class DeltaNet(nn.Module):
             if state is not None and T == 1:
                 o = kernels.delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
                                             backend=self.backend)[:, None]
+            elif cp is not None:
+                o = cp.delta_rule(q, k, v, g, beta, backend=self.backend)
             else:
                 o, final = kernels.delta_rule(q, k, v, g, beta, initial_state=state,
                                               output_final_state=state is not None, backend=self.backend,
@@ -641,13 +658,16 @@ class MLA(nn.Module):
         w = self.wkv_b.weight.view(c.n_heads, c.qk_nope_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, :c.qk_nope_dim], w[:, c.qk_nope_dim:]
 
-    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
         """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path.
-        cu_seqlens: packed documents (B == 1): positions restart, the indexer picks within the document."""
+        cu_seqlens: packed documents (B == 1): positions restart, the indexer picks within the document.
+        cp: context parallelism (dense MLA only): the latent rows of the whole sequence are gathered."""
         B, T, _ = x.shape
         c = self.cfg
         H, d_c, d_nope, d_rope, d_v = c.n_heads, c.kv_lora_rank, c.qk_nope_dim, c.rope_dim, c.v_head_dim
-        positions = token_positions(x, pos, cache, cu_seqlens)
+        if cp is not None and self.indexer is not None:
+            raise ValueError("context parallelism does not support mla with dsa")
+        positions = token_positions(x, pos, cache, cu_seqlens, cp)
         doc_start = None if cu_seqlens is None else torch.arange(T, device=x.device) - positions  # [T]
         self.aux_loss = None
         want_loss = self.training and cache is None and self.indexer is not None
@@ -670,6 +690,8 @@ class MLA(nn.Module):
             iq, iw, ik = self.indexer(x.detach(), (x if c_q is None else c_q).detach(), positions)
         if cache is not None:
             latent, ik = self.update_cache(cache, latent, ik if self.indexer is not None else None, pos)
+        if cp is not None:  # [B/2, T_total, d_c + d_rope]: the small latent rows cross over, not K/V
+            latent = cp.gather(latent)
         S = latent.shape[1]                                                 # keys visible: 0 .. S-1
         sparse = self.indexer is not None and c.dsa.stage == "sparse"
         absorb = (T == 1) if self.absorb is None else self.absorb
@@ -688,12 +710,16 @@ class MLA(nn.Module):
                                           backend=self.backend)               # [B, T, H, d_c]
             o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)                    # [B, T, H, d_v]
         else:  # expanded: [k_nope_h, v_h] = c_kv W_ukv for every visible key
-            kv = self.wkv_b(latent[..., :d_c]).view(B, S, H, d_nope + d_v)
+            Bk = latent.shape[0]
+            kv = self.wkv_b(latent[..., :d_c]).view(Bk, S, H, d_nope + d_v)
             k_nope, v = kv.split([d_nope, d_v], dim=-1)                        # [B, S, H, d_nope], [B, S, H, d_v]
-            k = torch.cat([k_nope, latent[:, :, None, d_c:].expand(B, S, H, d_rope)], dim=-1)
+            k = torch.cat([k_nope, latent[:, :, None, d_c:].expand(Bk, S, H, d_rope)], dim=-1)
             q = torch.cat([q_nope, q_rope], dim=-1)                            # [B, T, H, d_nope + d_rope]
-            o = kernels.attention(q, k, v, scale=self.scale, backend=self.backend,
-                                  cu_seqlens=cu_seqlens)                       # [B, T, H, d_v]
+            if cp is not None:
+                o = cp.attention(q, k, v, scale=self.scale, backend=self.backend, gathered=True)
+            else:
+                o = kernels.attention(q, k, v, scale=self.scale, backend=self.backend,
+                                      cu_seqlens=cu_seqlens)                   # [B, T, H, d_v]
             if want_loss:
                 kl = self._dense_indexer_kl(q.detach(), k.detach(), iq, iw, ik, doc_start)
         if want_loss:  # L_I: KL summed over heads' distribution, mean over the B*T query tokens
@@ -798,8 +824,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(model.d_model, model.norm_eps)
         self.mlp = SwiGLU(model.d_model, model.mlp.hidden)
 
-    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
-        x = x + self.mixer(self.norm1(x), cache, pos, cu_seqlens=cu_seqlens)
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
+        x = x + self.mixer(self.norm1(x), cache, pos, cu_seqlens=cu_seqlens, cp=cp)
         return x + self.mlp(self.norm2(x))
 
 
@@ -831,21 +857,26 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx, targets=None, cu_seqlens=None):
+    def forward(self, idx, targets=None, cu_seqlens=None, cp=None):
         """idx [B, T] -> logits [B, T, vocab]; loss (mean cross-entropy, targets -1 ignored) or None.
 
         cu_seqlens (packed documents, flash-attention's varlen convention): int32 [n_docs + 1] = 0, the
         end of every document, T, with idx [1, T]; the result equals running every document alone.
+
+        cp (context parallelism, context_parallel.py): idx [2B, L] = cp.split(rows) is this rank's
+        pieces of the sequence; the loss is the mean over this rank's tokens.
 
         Mixers with auxiliary losses (the DSA indexer) leave them in `mixer.aux_loss`; they are added
         to the loss and reported in `self.aux_losses` (name -> detached mean over layers); the
         cross-entropy alone is kept in `self.lm_loss`.
         """
         if cu_seqlens is not None:
+            if cp is not None:
+                raise ValueError("GPT.forward: packed documents (cu_seqlens) with context parallelism are not supported")
             cu_seqlens = kernels.check_cu_seqlens(cu_seqlens, *idx.shape, "GPT.forward").to(idx.device)
         x = self.wte(idx)
         for block in self.blocks:
-            x = block(x, cu_seqlens=cu_seqlens)
+            x = block(x, cu_seqlens=cu_seqlens, cp=cp)
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits, None

@@ -1,0 +1,137 @@
+"""Context parallelism (context_parallel.py) on CPU (gloo): ranks holding pieces of the sequence give
+the single-process loss and gradients, per mixer kind and for the default hybrid; 2 data x 2 context.
+
+The ranks run in torch.multiprocessing workers; each computes the single-process reference itself
+(the same seed, the full batch) and rank 0 writes the largest differences to a JSON file."""
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from config import DEFAULT_CONFIG, read_yaml
+from context_parallel import ContextParallel
+from model import GPT, ModelConfig
+
+TOL = 1e-5
+
+
+def small(pattern, layers, **kw):
+    return {"vocab_size": 61, "d_model": 32, "n_layer": len(pattern), "pattern": pattern, "layers": layers,
+            "mlp": {"hidden": 64}, **kw}
+
+
+MIXERS = {
+    "attn": small(["a"], {"a": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "qk_norm": True}}),
+    "attn_window_sinks": small(["w", "v"], {
+        "w": {"kind": "attn", "n_heads": 2, "window": 9, "sinks": True},
+        "v": {"kind": "attn", "n_heads": 2, "window": 100, "rope": False}}),   # window > a piece
+    "kda": small(["k"], {"k": {"kind": "kda", "n_heads": 2, "head_dim": 16}}),
+    "gdn": small(["g"], {"g": {"kind": "gdn", "n_heads": 2, "head_dim": 16, "conv_size": 3}}),
+    "linear": small(["l"], {"l": {"kind": "linear", "n_heads": 2, "head_dim": 16, "output_gate": False}}),
+    "mla": small(["m"], {"m": {"kind": "mla", "n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16,
+                               "qk_nope_dim": 8, "qk_rope_dim": 8, "v_head_dim": 8}}),
+}
+
+
+def default_model():
+    return read_yaml(DEFAULT_CONFIG)["model"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_one(raw, B, T, cp_size, group):
+    """Max |difference| of the loss and of every gradient: CP over `group` vs one process."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(ModelConfig.from_dict(raw))
+    idx = torch.randint(0, raw["vocab_size"], (B, T + 1))
+    x, y = idx[:, :-1], idx[:, 1:]
+    _, loss = model(x, y)
+    loss.backward()
+    ref_loss, ref = loss.detach(), grads(model)
+    model.zero_grad(set_to_none=True)
+    data_rank, n_data = rank // cp_size, world // cp_size      # rows of the batch by data rank
+    rows = slice(data_rank * B // n_data, (data_rank + 1) * B // n_data)
+    cp = ContextParallel(group)
+    _, loss = model(cp.split(x[rows]), cp.split(y[rows]), cp=cp)
+    (loss / world).backward()                                   # DDP's average over all ranks
+    loss = loss.detach() / world
+    dist.all_reduce(loss)
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    got = grads(model)
+    assert got.keys() == ref.keys()
+    return {"loss": (loss - ref_loss).abs().item(),
+            "grad": max((got[n] - ref[n]).abs().max().item() for n in ref),
+            "grad_scale": max(ref[n].abs().max().item() for n in ref)}
+
+
+def worker(rank, world, cp_size, port, cases, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    groups = [dist.new_group(list(range(d, d + cp_size))) for d in range(0, world, cp_size)]
+    group = groups[rank // cp_size]
+    result = {name: check_one(raw, B, T, cp_size, group) for name, (raw, B, T) in cases.items()}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def run(world, cp_size, cases, tmp_path):
+    out = str(tmp_path / "result.json")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.spawn(worker, args=(world, cp_size, free_port(), cases, out), nprocs=world)
+    with open(out) as f:
+        result = json.load(f)
+    for name, r in result.items():
+        assert r["loss"] <= TOL and r["grad"] <= TOL, (name, r)
+    return result
+
+
+def test_two_ranks_match_one_process_per_mixer_and_default_hybrid(tmp_path):
+    """CP 2: every supported mixer (pieces of 70 tokens: the delta rule crosses a chunk inside a
+    piece, a window of 100 reaches back two pieces) and the default hybrid (KDA + MLA NoPE)."""
+    cases = {name: (raw, 2, 280) for name, raw in MIXERS.items()}
+    cases["default"] = (default_model(), 2, 128)
+    run(2, 2, cases, tmp_path)
+
+
+@pytest.mark.slow
+def test_four_ranks_as_two_data_by_two_context(tmp_path):
+    cases = {"default": (default_model(), 4, 128), "attn_window_sinks": (MIXERS["attn_window_sinks"], 4, 96)}
+    run(4, 2, cases, tmp_path)
+
+
+@pytest.mark.slow
+def test_four_ranks_of_context(tmp_path):
+    cases = {name: (raw, 2, 288) for name, raw in MIXERS.items()}
+    cases["default"] = (default_model(), 2, 256)
+    run(4, 4, cases, tmp_path)
+
+
+def test_split_and_positions_cover_the_sequence_once():
+    """The pieces of all ranks put back in order are the sequence (no process group needed)."""
+    T, N = 24, 3
+    rows = torch.arange(T)[None].repeat(2, 1)
+    seen = []
+    for r in range(N):
+        cp = ContextParallel.__new__(ContextParallel)
+        cp.size, cp.rank, cp.n_pieces, cp.pieces = N, r, 2 * N, (r, 2 * N - 1 - r)
+        part = cp.split(rows)
+        assert part.shape == (4, T // (2 * N))
+        assert torch.equal(cp.positions(part[..., None]), part)
+        seen.append(part)
+    assert sorted(torch.cat(seen).flatten().tolist()) == sorted(rows.flatten().tolist())
