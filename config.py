@@ -69,6 +69,7 @@ class TrainConfig:
     compile: bool = False               # torch.compile the model
     keep_last: int = 3                  # checkpoints kept in out_dir (older ones are deleted)
     max_bad_steps: int = 5              # non-finite losses in a row before the run stops
+    context_parallel: int = 1           # N ranks share every sequence (context_parallel.py); data x context
 
     def check(self, path, model):
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_interval",
@@ -88,6 +89,21 @@ class TrainConfig:
         require(self.optimizer in OPTIMIZERS, f"{path}.optimizer", f"one of {', '.join(OPTIMIZERS)}", self.optimizer)
         require(self.muon_lr > 0, f"{path}.muon_lr", "> 0", self.muon_lr)
         require(self.precision in PRECISIONS, f"{path}.precision", f"one of {', '.join(PRECISIONS)}", self.precision)
+        N = self.context_parallel
+        positive(f"{path}.context_parallel", N)
+        require(self.seq_len % (2 * N) == 0, f"{path}.context_parallel",
+                f"N with seq_len={self.seq_len} divisible by 2N (each rank holds two pieces)", N)
+        if N > 1:
+            from context_parallel import unsupported
+            kind = unsupported(model)
+            require(kind is None, f"{path}.context_parallel", f"1 with {kind} layers (not supported)", N)
+            require(not self.compile, f"{path}.context_parallel", "1 with train.compile (not supported)", N)
+
+
+def check_world(tc, world):
+    """train.context_parallel against the number of ranks (known at start-up, before any model)."""
+    require(world % tc.context_parallel == 0, "train.context_parallel",
+            f"a divisor of the number of ranks {world}", tc.context_parallel)
 
 
 @dataclass
@@ -136,6 +152,8 @@ def from_raw(raw):
     data.check("data", model)
     train = build(TrainConfig, raw.get("train"), "train")
     train.check("train", model)
+    require(not data.pack or train.context_parallel == 1, "train.context_parallel",
+            "1 with data.pack (packed documents are not split over ranks yet)", train.context_parallel)
     return Config(model, data, train, copy.deepcopy(raw))
 
 

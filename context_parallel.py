@@ -25,12 +25,15 @@ read `cp.positions(...)` for the true positions and exchange what crosses pieces
                        (flash-linear-attention's ops/cp design, with an all-gather instead of a
                        send/recv chain). Linear attention: M = I, Z = sum k v^T.
 
-Gradients: every rank's loss is the mean over its own tokens; with equal token counts, averaging
-the parameter gradients over all W = data x context ranks (plain DDP over the world, each rank's
-cross-piece gradients having flowed back through the collectives) is exactly the gradient of the
-global mean loss. The collectives run on the context group, never on DDP's group.
+Gradients: every rank's loss is its share of its group's mean loss: its own sum of the loss divided
+by (the group's counted targets / N), so the N losses average to the group's mean (with equal counts:
+each rank's own mean). Averaging the parameter gradients over all W = data x context ranks (plain
+DDP over the world; the cross-piece gradients have already flowed back through the collectives)
+then gives exactly the gradient of the mean over data ranks of the groups' mean losses, what DDP
+gives without context parallelism. The collectives run on the context group, never on DDP's group.
 
-Not supported (refused by `check_model`): DSA (sparse MLA), packed documents (cu_seqlens), decode.
+Not supported (refused at config time, config.py): DSA (sparse MLA), packed documents (cu_seqlens),
+torch.compile; decode (generate) runs the whole sequence on one rank as before.
 """
 import torch
 import torch.distributed as dist
@@ -126,6 +129,13 @@ class ContextParallel:
             pad = h.new_zeros(h.shape[0], n - h.shape[1], *h.shape[2:])
             rows.append(torch.cat([pad, h], dim=1))
         return torch.cat(rows, dim=0)
+
+    def tokens_per_rank(self, targets):
+        """The counted targets (not -1) of the whole group / N: each rank's loss is its sum over this,
+        so the ranks' losses average to the group's mean even where the counts differ."""
+        n = (targets != -1).sum().float()
+        dist.all_reduce(n, group=self.group)
+        return n / self.size
 
     # -- mixers
     def attention(self, q, k, v, *, window=None, sinks=None, scale=None, backend=None, gathered=False):

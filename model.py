@@ -880,7 +880,11 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        flat = logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
+        if cp is None:
+            loss = F.cross_entropy(*flat, ignore_index=-1)
+        else:  # this rank's share of the mean over the context group's tokens (their mean is that mean)
+            loss = F.cross_entropy(*flat, ignore_index=-1, reduction="sum") / cp.tokens_per_rank(targets)
         self.lm_loss = loss.detach()  # the LM part alone, for logging
         self.aux_losses = {}
         for block in self.blocks:

@@ -8,6 +8,8 @@
 
 train.batch_size is the GLOBAL micro-batch: each of the W ranks reads batch_size / W sequences of it,
 so a run gives the same losses on 1, 2 or 8 ranks. Only rank 0 prints and writes files.
+train.context_parallel=N: every N consecutive ranks share each sequence (context_parallel.py), the
+W / N groups split the batch as above: a 2-D data x context layout.
 
 Writes <out_dir>/metrics.jsonl (one JSON object per log or eval step) and <out_dir>/ckpt_<step>.pt
 (the last train.keep_last of them). SIGTERM or SIGUSR1: the current step finishes, a checkpoint is
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import cost
-from config import from_raw, load_config, split_args
+from config import check_world, from_raw, load_config, split_args
 from data import make_dataset
 from data.tokens import DataError, atomic_write
 from model import GPT, ConfigError
@@ -319,6 +321,7 @@ def train(cfg, resume=None, quiet=False, stop_at=None):
     """Run training for `cfg`; returns the final metrics dict. stop_at: stop after that step (as if
     interrupted: the schedule still runs to max_steps). Under torchrun every rank calls this."""
     tc = cfg.train
+    check_world(tc, int(os.environ.get("WORLD_SIZE", 1)))
     pg = Dist(tc)
     try:
         return _train(cfg, pg, resume, quiet or not pg.main, stop_at)
@@ -343,7 +346,13 @@ def _train(cfg, pg, resume, quiet, stop_at):
             from data.stdlib import prepare_stdlib
             prepare_stdlib(cfg.data.dir, quiet=quiet)
         pg.barrier()
-    data = make_dataset(cfg, pg.rank, pg.world)
+    n_cp = tc.context_parallel  # ranks d*n_cp .. d*n_cp+n_cp-1 share the rows of data rank d
+    data = make_dataset(cfg, pg.rank // n_cp, pg.world // n_cp)
+    cp = None
+    if n_cp > 1:  # every rank creates every group, in the same order; its own is a separate communicator
+        from context_parallel import ContextParallel
+        groups = [dist.new_group(list(range(d, d + n_cp))) for d in range(0, pg.world, n_cp)]
+        cp = ContextParallel(groups[pg.rank // n_cp])
 
     # the checkpoint to resume from: chosen by rank 0, read by every rank (out_dir must be shared)
     ckpt, path = None, None
@@ -393,7 +402,7 @@ def _train(cfg, pg, resume, quiet, stop_at):
         for opt in optimizers:  # the peak lrs come from this config, not the checkpoint
             for group in opt.param_groups:
                 group["base_lr"] = tc.muon_lr if isinstance(opt, torch.optim.Muon) else tc.lr
-        same_world = ckpt.get("world_size") == pg.world
+        same_world = ckpt.get("world_size") == pg.world and ckpt.get("context_parallel", 1) == n_cp
         data.load_state_dict(ckpt["data_per_rank"][pg.rank] if same_world and "data_per_rank" in ckpt
                              else ckpt["data"])
         rngs = ckpt.get("rng")
@@ -415,6 +424,8 @@ def _train(cfg, pg, resume, quiet, stop_at):
     if not quiet:
         kinds = ", ".join(c.kind for c in cfg.model.layer_configs())
         par = f", {pg.world} ranks ({tc.parallel})" if pg.enabled else ""
+        if cp is not None:
+            par += f", {pg.world // n_cp} data x {n_cp} context"
         print(f"model: {n_params / 1e6:.2f}M parameters, {cfg.model.n_layer} layers ({kinds}), device "
               f"{device.type}{par}, optimizer {tc.optimizer}" + (f", resumed at step {step}" if step else ""))
         print_cache_bytes(cfg.model, next(module.parameters()).element_size())
@@ -433,6 +444,7 @@ def _train(cfg, pg, resume, quiet, stop_at):
             save_checkpoint(os.path.join(tc.out_dir, f"ckpt_{step}.pt"), {
                 "version": CKPT_VERSION, "model": model_sd, "optimizer": optim_sd, "step": step,
                 "tokens": tokens_seen, "skipped_steps": skipped, "config": cfg.raw, "world_size": pg.world,
+                "context_parallel": n_cp,
                 "parallel": tc.parallel if pg.enabled else "none", "data": positions[0],
                 "data_per_rank": positions, "rng": rngs})
             prune_checkpoints(tc.out_dir, tc.keep_last)
@@ -477,6 +489,8 @@ def _train(cfg, pg, resume, quiet, stop_at):
             for micro in range(tc.grad_accum):
                 x, y, *packed = data.next_batch()  # data.pack: x, y [1, B*T] and their cu_seqlens
                 kw = {"cu_seqlens": packed[0].to(device)} if packed else {}
+                if cp is not None:  # this rank's two pieces of every row
+                    x, y, kw = cp.split(x), cp.split(y), {"cp": cp}
                 with sync_grads(micro == tc.grad_accum - 1):
                     with autocast():
                         _, loss = fwd(x.to(device, non_blocking=True), y.to(device, non_blocking=True), **kw)

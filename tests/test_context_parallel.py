@@ -6,6 +6,8 @@ The ranks run in torch.multiprocessing workers; each computes the single-process
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,6 +60,7 @@ def check_one(raw, B, T, cp_size, group):
     model = GPT(ModelConfig.from_dict(raw))
     idx = torch.randint(0, raw["vocab_size"], (B, T + 1))
     x, y = idx[:, :-1], idx[:, 1:]
+    y = y.masked_fill(torch.rand(T) < 0.3, -1)                  # uncounted targets, unequal per piece
     _, loss = model(x, y)
     loss.backward()
     ref_loss, ref = loss.detach(), grads(model)
@@ -135,3 +138,103 @@ def test_split_and_positions_cover_the_sequence_once():
         assert torch.equal(cp.positions(part[..., None]), part)
         seen.append(part)
     assert sorted(torch.cat(seen).flatten().tolist()) == sorted(rows.flatten().tolist())
+
+
+# ----------------------------------------------------------------------------------------------
+# train.py: train.context_parallel under torchrun, and the errors
+
+
+def train_config(out_dir, **train_kw):
+    """A small hybrid (KDA, windowed attention with sinks, MLA) on MQAR: targets -1 except answers,
+    so the pieces of a row count different numbers of targets."""
+    layers = {"k": {"kind": "kda", "n_heads": 2, "head_dim": 16},
+              "w": {"kind": "attn", "n_heads": 2, "window": 6, "sinks": True},
+              "m": {"kind": "mla", "n_heads": 2, "kv_lora_rank": 16, "qk_nope_dim": 8, "qk_rope_dim": 8,
+                    "v_head_dim": 8}}
+    return {"model": {"vocab_size": 32, "d_model": 32, "n_layer": 3, "pattern": ["k", "w", "m"],
+                      "layers": layers, "mlp": {"hidden": 64}},
+            "data": {"kind": "mqar", "n_pairs": 4},
+            "train": {"max_steps": 4, "batch_size": 4, "seq_len": 32, "lr": 3e-3, "warmup_steps": 2,
+                      "log_interval": 1, "eval_interval": 1000, "eval_batches": 1, "ckpt_interval": 1000,
+                      "out_dir": str(out_dir), **train_kw}}
+
+
+def torchrun(nproc, arg, script):
+    from config import ROOT
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                           f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+                           f"--rdzv_endpoint=127.0.0.1:{free_port()}", script, str(arg)],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def train_with_ranks(tmp_path, nproc, runs):
+    from config import ROOT
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps(runs))
+    r = torchrun(nproc, spec, os.path.join(ROOT, "tests", "dist_worker.py"))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def one_process_losses(tmp_path):
+    from config import from_raw
+    from train import train
+    train(from_raw(train_config(tmp_path / "one", grad_accum=2)), quiet=True)
+    return losses(tmp_path / "one")
+
+
+def test_train_context_parallel_2_matches_one_process(tmp_path):
+    """torchrun, 2 ranks, context_parallel 2 (DDP and FSDP2, with grad accumulation): the losses of
+    one process, step by step (so the gradients and updates too)."""
+    runs = {p: train_config(tmp_path / p, context_parallel=2, parallel=p, grad_accum=2) for p in ("ddp", "fsdp")}
+    train_with_ranks(tmp_path, 2, list(runs.values()))
+    one = one_process_losses(tmp_path)
+    assert len(one) == 4
+    for name in runs:
+        got = losses(tmp_path / name)
+        assert max(abs(one[s] - got[s]) for s in one) <= 1e-5, (name, one, got)
+
+
+@pytest.mark.slow
+def test_train_two_data_by_two_context_matches_one_process(tmp_path):
+    runs = [train_config(tmp_path / "dxc", context_parallel=2, grad_accum=2)]
+    train_with_ranks(tmp_path, 4, runs)
+    one, got = one_process_losses(tmp_path), losses(tmp_path / "dxc")
+    assert max(abs(one[s] - got[s]) for s in one) <= 1e-5, (one, got)
+
+
+def test_context_parallel_config_errors(tmp_path):
+    from config import from_raw
+    from model import ConfigError
+    from train import train
+    bad = [({"context_parallel": 3}, "seq_len=32 divisible by 2N"),
+           ({"context_parallel": 0}, "an integer >= 1"),
+           ({"context_parallel": 2, "compile": True}, "train.compile")]
+    for train_kw, msg in bad:
+        with pytest.raises(ConfigError, match=msg):
+            from_raw(train_config(tmp_path, **train_kw))
+    raw = train_config(tmp_path, context_parallel=2)
+    raw["model"]["layers"]["m"]["dsa"] = {"n_heads": 2, "head_dim": 8, "rope_dim": 4, "top_k": 4}
+    with pytest.raises(ConfigError, match="1 with mla with dsa layers"):
+        from_raw(raw)
+    raw = train_config(tmp_path, context_parallel=2)
+    raw["data"] = {"kind": "stdlib", "pack": True}
+    with pytest.raises(ConfigError, match="data.pack"):
+        from_raw(raw)
+    with pytest.raises(ConfigError, match="a divisor of the number of ranks 1"):  # one process
+        train(from_raw(train_config(tmp_path, context_parallel=2)), quiet=True)
+
+
+def test_context_parallel_not_dividing_the_ranks_is_one_line_exit_2(tmp_path):
+    from config import ROOT
+    cfg_path = tmp_path / "cp.yaml"
+    cfg_path.write_text(json.dumps(train_config(tmp_path / "out", context_parallel=4, seq_len=64)))
+    r = torchrun(2, cfg_path, os.path.join(ROOT, "train.py"))
+    # the ranks exit 2 with the one line (torchrun itself then reports the failed ranks)
+    assert r.returncode != 0 and "exitcode  : 2" in r.stderr and 'train.py", line' not in r.stderr, r.stderr
+    assert "error: train.context_parallel: must be a divisor of the number of ranks 2 (got 4)" in r.stderr
