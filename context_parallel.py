@@ -15,7 +15,9 @@ read `cp.positions(...)` for the true positions and exchange what crosses pieces
                        each piece attends to the keys up to its own end with the causal mask
     window attention   only the window-1 keys before each piece (its "halo") cross over
     short conv         the conv_size-1 inputs before each piece (a halo)
-    MLA (dense)        the latent rows [c_kv | k_rope] are gathered; K/V expanded from them locally
+    MLA                the latent rows [c_kv | k_rope] are gathered; K/V expanded from them locally
+    DSA                the indexer keys are gathered too; each piece picks its top-k among the keys
+                       up to its own end (sparse stage and dense_warmup's indexer loss)
     delta rule (KDA, GDN) and linear attention: each piece runs from a zero state and also returns
                        the affine map it applies to an incoming state, S_out = M S_in + Z (one call:
                        the state's columns evolve independently, so v is widened by K zero columns
@@ -32,8 +34,8 @@ DDP over the world; the cross-piece gradients have already flowed back through t
 then gives exactly the gradient of the mean over data ranks of the groups' mean losses, what DDP
 gives without context parallelism. The collectives run on the context group, never on DDP's group.
 
-Not supported (refused at config time, config.py): DSA (sparse MLA), packed documents (cu_seqlens),
-torch.compile; decode (generate) runs the whole sequence on one rank as before.
+Not supported (refused at config time, config.py): mixer kinds not in SUPPORTED, packed documents
+(cu_seqlens), torch.compile; decode (generate) runs the whole sequence on one rank as before.
 """
 import torch
 import torch.distributed as dist
@@ -62,11 +64,14 @@ def all_gather(x, group):
     return _AllGather.apply(x, group)
 
 
+SUPPORTED = ("attn", "mla", "kda", "gdn", "linear")   # mixer kinds with a distributed piece here
+
+
 def unsupported(mcfg):
-    """The first layer config context parallelism cannot run, as a short name, or None."""
+    """The first mixer kind of the model that context parallelism cannot run, or None."""
     for lc in mcfg.layer_configs():
-        if lc.kind == "mla" and lc.dsa is not None:
-            return "mla with dsa"
+        if lc.kind not in SUPPORTED:
+            return lc.kind
     return None
 
 
@@ -88,6 +93,12 @@ class ContextParallel:
             raise ValueError(f"context parallel: sequence length {T} is not divisible by 2N = {self.n_pieces}")
         chunks = rows.chunk(self.n_pieces, dim=1)
         return torch.cat([chunks[p] for p in self.pieces], dim=0)
+
+    def piece_ranges(self, x):
+        """(rows, start, end) of the rank's two pieces in x [2B, L, ...]: the rows of the batch that
+        hold each piece and the positions start .. end-1 it covers."""
+        B, L = x.shape[0] // 2, x.shape[1]
+        return [(slice(h * B, (h + 1) * B), p * L, (p + 1) * L) for h, p in enumerate(self.pieces)]
 
     def positions(self, x):
         """Absolute positions [2B, L] of the rank's tokens x [2B, L, ...]."""
@@ -148,7 +159,7 @@ class ContextParallel:
                     for h in range(2)]
         else:
             k_all, v_all = (k, v) if gathered else (self.gather(k), self.gather(v))
-            keys = [(k_all[:, :(p + 1) * L], v_all[:, :(p + 1) * L]) for p in self.pieces]
+            keys = [(k_all[:, :end], v_all[:, :end]) for _, _, end in self.piece_ranges(q)]
         outs = [kernels.attention(q[h * B:(h + 1) * B], kh, vh, window=window, sinks=sinks, scale=scale,
                                   backend=backend) for h, (kh, vh) in enumerate(keys)]
         return torch.cat(outs, dim=0)

@@ -661,12 +661,10 @@ class MLA(nn.Module):
     def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
         """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path.
         cu_seqlens: packed documents (B == 1): positions restart, the indexer picks within the document.
-        cp: context parallelism (dense MLA only): the latent rows of the whole sequence are gathered."""
+        cp: context parallelism: the latent rows (and indexer keys) of the whole sequence are gathered."""
         B, T, _ = x.shape
         c = self.cfg
         H, d_c, d_nope, d_rope, d_v = c.n_heads, c.kv_lora_rank, c.qk_nope_dim, c.rope_dim, c.v_head_dim
-        if cp is not None and self.indexer is not None:
-            raise ValueError("context parallelism does not support mla with dsa")
         positions = token_positions(x, pos, cache, cu_seqlens, cp)
         doc_start = None if cu_seqlens is None else torch.arange(T, device=x.device) - positions  # [T]
         self.aux_loss = None
@@ -692,6 +690,7 @@ class MLA(nn.Module):
             latent, ik = self.update_cache(cache, latent, ik if self.indexer is not None else None, pos)
         if cp is not None:  # [B/2, T_total, d_c + d_rope]: the small latent rows cross over, not K/V
             latent = cp.gather(latent)
+            ik = cp.gather(ik) if self.indexer is not None else None
         S = latent.shape[1]                                                 # keys visible: 0 .. S-1
         sparse = self.indexer is not None and c.dsa.stage == "sparse"
         absorb = (T == 1) if self.absorb is None else self.absorb
@@ -701,7 +700,13 @@ class MLA(nn.Module):
             q_abs = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)               # q~_h = q_nope_h W_UK_h^T [B,T,H,d_c]
             q_lat = torch.cat([q_abs, q_rope], dim=-1)                         # [B, T, H, d_c + d_rope]
             if sparse:
-                o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss, doc_start)
+                if cp is None:
+                    o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss, doc_start)
+                else:  # piece by piece: the piece's queries from its start, the keys up to its end
+                    parts = [self._sparse_attention(q_lat[rows], latent[:, :end], iq[rows], iw[rows], ik[:, :end],
+                                                    start, want_loss) for rows, start, end in cp.piece_ranges(q_lat)]
+                    o_lat = torch.cat([o for o, _ in parts])
+                    kl = sum(part_kl for _, part_kl in parts) if want_loss else None
             else:  # MQA with one kv head: keys [c_kv, k_rope], values c_kv. The head is broadcast to
                 # all H heads as a stride-0 view (no copy): with Hq == Hkv PyTorch's SDPA takes its
                 # fused path, while Hq != Hkv (enable_gqa) falls back to the ~30x slower math path on CPU.
@@ -720,8 +725,11 @@ class MLA(nn.Module):
             else:
                 o = kernels.attention(q, k, v, scale=self.scale, backend=self.backend,
                                       cu_seqlens=cu_seqlens)                   # [B, T, H, d_v]
-            if want_loss:
+            if want_loss and cp is None:
                 kl = self._dense_indexer_kl(q.detach(), k.detach(), iq, iw, ik, doc_start)
+            elif want_loss:
+                kl = sum(self._dense_indexer_kl(q[rows].detach(), k[:, :end].detach(), iq[rows], iw[rows],
+                                                ik[:, :end], offset=start) for rows, start, end in cp.piece_ranges(q))
         if want_loss:  # L_I: KL summed over heads' distribution, mean over the B*T query tokens
             self.aux_loss = ("indexer_kl", c.dsa.loss_weight * kl / (B * T))
         return self.wo(o.reshape(B, T, H * d_v))
@@ -762,9 +770,9 @@ class MLA(nn.Module):
                 kl = kl + kl_to_logits(target, logits, valid)
         return torch.cat(outs, dim=1).to(q_lat.dtype), kl
 
-    def _dense_indexer_kl(self, q, k, iq, iw, ik, doc_start=None):
+    def _dense_indexer_kl(self, q, k, iq, iw, ik, doc_start=None, offset=0):
         """dense_warmup L_I (summed over tokens): KL(p_t || softmax(I_t)) over all s <= t
-        (and s >= doc_start[t] with packed documents).
+        (and s >= doc_start[t] with packed documents). Query t sits at position offset + t.
 
         q, k [B,T,H,d_nope+d_rope] detached. Blocks are checkpointed: autograd keeps only their inputs,
         and the [B, block, H_I, T] ReLU scores are recomputed in backward."""
@@ -772,8 +780,8 @@ class MLA(nn.Module):
         kl = 0.0
         for t0 in range(0, q.shape[1], MLA_BLOCK_Q):
             t1 = min(q.shape[1], t0 + MLA_BLOCK_Q)
-            kl = kl + checkpoint(self._dense_kl_block, q[:, t0:t1], k[:, :t1], iq[:, t0:t1], iw[:, t0:t1],
-                                 ik[:, :t1], t0, None if doc_start is None else doc_start[t0:t1],
+            kl = kl + checkpoint(self._dense_kl_block, q[:, t0:t1], k[:, :offset + t1], iq[:, t0:t1], iw[:, t0:t1],
+                                 ik[:, :offset + t1], offset + t0, None if doc_start is None else doc_start[t0:t1],
                                  use_reentrant=False)
         return kl
 

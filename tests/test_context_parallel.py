@@ -37,6 +37,9 @@ MIXERS = {
     "mla": small(["m"], {"m": {"kind": "mla", "n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16,
                                "qk_nope_dim": 8, "qk_rope_dim": 8, "v_head_dim": 8}}),
 }
+for _stage in ("sparse", "dense_warmup"):  # top_k < the keys most queries see: the selection matters
+    MIXERS[f"dsa_{_stage}"] = small(["m"], {"m": {**MIXERS["mla"]["layers"]["m"], "dsa": {
+        "n_heads": 2, "head_dim": 8, "rope_dim": 4, "top_k": 16, "stage": _stage}}})
 
 
 def default_model():
@@ -208,7 +211,7 @@ def test_train_two_data_by_two_context_matches_one_process(tmp_path):
     assert max(abs(one[s] - got[s]) for s in one) <= 1e-5, (one, got)
 
 
-def test_context_parallel_config_errors(tmp_path):
+def test_context_parallel_config_errors(tmp_path, monkeypatch):
     from config import from_raw
     from model import ConfigError
     from train import train
@@ -218,10 +221,11 @@ def test_context_parallel_config_errors(tmp_path):
     for train_kw, msg in bad:
         with pytest.raises(ConfigError, match=msg):
             from_raw(train_config(tmp_path, **train_kw))
-    raw = train_config(tmp_path, context_parallel=2)
-    raw["model"]["layers"]["m"]["dsa"] = {"n_heads": 2, "head_dim": 8, "rope_dim": 4, "top_k": 4}
-    with pytest.raises(ConfigError, match="1 with mla with dsa layers"):
-        from_raw(raw)
+    import context_parallel
+    monkeypatch.setattr(context_parallel, "SUPPORTED", ("attn", "mla"))  # as for a future mixer kind
+    with pytest.raises(ConfigError, match="train.context_parallel: must be 1 with kda layers"):
+        from_raw(train_config(tmp_path, context_parallel=2))
+    monkeypatch.undo()
     raw = train_config(tmp_path, context_parallel=2)
     raw["data"] = {"kind": "stdlib", "pack": True}
     with pytest.raises(ConfigError, match="data.pack"):
