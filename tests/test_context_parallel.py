@@ -128,6 +128,17 @@ def test_four_ranks_of_context(tmp_path):
     run(4, 4, cases, tmp_path)
 
 
+@pytest.mark.slow
+def test_two_ranks_match_one_process_on_triton(tmp_path):
+    """The Triton kernels (under the interpreter on CPU): the delta rule with the widened state and
+    attention with queries offset against the gathered keys / halos."""
+    cases = {"kda": (small(["k"], {"k": {"kind": "kda", "n_heads": 1, "head_dim": 16}}, backend="triton"), 1, 64),
+             "attn": (small(["a", "w"], {"a": {"kind": "attn", "n_heads": 2},
+                                         "w": {"kind": "attn", "n_heads": 2, "window": 5, "sinks": True}},
+                            backend="triton"), 1, 64)}
+    run(2, 2, cases, tmp_path)
+
+
 def test_split_and_positions_cover_the_sequence_once():
     """The pieces of all ranks put back in order are the sequence (no process group needed)."""
     T, N = 24, 3
