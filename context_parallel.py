@@ -37,10 +37,15 @@ gives without context parallelism. The collectives run on the context group, nev
 Not supported (refused at config time, config.py): mixer kinds not in SUPPORTED, packed documents
 (cu_seqlens), torch.compile; decode (generate) runs the whole sequence on one rank as before.
 """
+from functools import partial
+
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import kernels
+
+BLOCK_Q = 128  # queries per checkpointed block of global attention on the torch path
 
 
 class _AllGather(torch.autograd.Function):
@@ -73,6 +78,18 @@ def unsupported(mcfg):
         if lc.kind not in SUPPORTED:
             return lc.kind
     return None
+
+
+def _blocks_checkpointed(attend, q, k, v):
+    """attend(q, k, v) (queries ending at the last key) query block by query block, each block under
+    activation checkpointing: autograd keeps q, k, v, not the [block, S] probabilities of the torch
+    path's offset queries (recomputed block by block in backward), so the memory stays O(T)."""
+    T, S = q.shape[1], k.shape[1]
+    outs = []
+    for t0 in range(0, T, BLOCK_Q):
+        end = S - T + min(T, t0 + BLOCK_Q)
+        outs.append(checkpoint(attend, q[:, t0:t0 + BLOCK_Q], k[:, :end], v[:, :end], use_reentrant=False))
+    return torch.cat(outs, dim=1)
 
 
 class ContextParallel:
@@ -160,9 +177,10 @@ class ContextParallel:
         else:
             k_all, v_all = (k, v) if gathered else (self.gather(k), self.gather(v))
             keys = [(k_all[:, :end], v_all[:, :end]) for _, _, end in self.piece_ranges(q)]
-        outs = [kernels.attention(q[h * B:(h + 1) * B], kh, vh, window=window, sinks=sinks, scale=scale,
-                                  backend=backend) for h, (kh, vh) in enumerate(keys)]
-        return torch.cat(outs, dim=0)
+        attend = partial(kernels.attention, window=window, sinks=sinks, scale=scale, backend=backend)
+        if window is None and kernels._pick(backend, q) == "torch":
+            attend = partial(_blocks_checkpointed, attend)
+        return torch.cat([attend(q[h * B:(h + 1) * B], kh, vh) for h, (kh, vh) in enumerate(keys)], dim=0)
 
     def _initial_states(self, finals, V):
         """Scan over the 2N pieces: finals [2B, H, K, V + K] = (Z | M) of the rank's pieces ->

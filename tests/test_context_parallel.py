@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from config import DEFAULT_CONFIG, read_yaml
+import context_parallel
 from context_parallel import ContextParallel
 from model import GPT, ModelConfig
 
@@ -86,6 +87,7 @@ def check_one(raw, B, T, cp_size, group):
 
 def worker(rank, world, cp_size, port, cases, out):
     torch.set_num_threads(1)
+    context_parallel.BLOCK_Q = 32                               # several checkpointed blocks per piece
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     groups = [dist.new_group(list(range(d, d + cp_size))) for d in range(0, world, cp_size)]
     group = groups[rank // cp_size]
