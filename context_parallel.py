@@ -215,3 +215,14 @@ class ContextParallel:
             S = z if S is None else S + z
         S_in = torch.cat([starts[p] for p in self.pieces], dim=0)
         return kernels.linear_attention(q, k, v, scale=scale, initial_state=S_in)[0]
+
+
+class SplitRows:
+    """model(x, y) on full rows [B, T] -> (this rank's logits [2B, L, vocab], this rank's loss share),
+    for loops that read only the loss (text eval): long rows are evaluated under CP too."""
+
+    def __init__(self, model, cp):
+        self.model, self.cp = model, cp
+
+    def __call__(self, x, y):
+        return self.model(self.cp.split(x), self.cp.split(y), cp=self.cp)

@@ -350,7 +350,7 @@ def _train(cfg, pg, resume, quiet, stop_at):
     data = make_dataset(cfg, pg.rank // n_cp, pg.world // n_cp)
     cp = None
     if n_cp > 1:  # every rank creates every group, in the same order; its own is a separate communicator
-        from context_parallel import ContextParallel
+        from context_parallel import ContextParallel, SplitRows
         groups = [dist.new_group(list(range(d, d + n_cp))) for d in range(0, pg.world, n_cp)]
         cp = ContextParallel(groups[pg.rank // n_cp])
 
@@ -452,8 +452,11 @@ def _train(cfg, pg, resume, quiet, stop_at):
 
     def evaluate():
         module.eval()
+        # text: long rows are evaluated under CP too (the loss shares average to the mean below);
+        # mqar reads logits against whole rows (short synthetic rows): every rank runs them whole
+        evaluated = module if cp is None or cfg.data.kind == "mqar" else SplitRows(module, cp)
         with autocast():
-            metrics = data.evaluate(module, tc.eval_batches, device)
+            metrics = data.evaluate(evaluated, tc.eval_batches, device)
         module.train()
         keys = sorted(metrics)  # every rank evaluated its slice of the same global batches
         vals = pg.sum_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)) / pg.world

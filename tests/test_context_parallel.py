@@ -224,6 +224,24 @@ def test_train_two_data_by_two_context_matches_one_process(tmp_path):
     assert max(abs(one[s] - got[s]) for s in one) <= 1e-5, (one, got)
 
 
+@pytest.mark.slow
+def test_train_text_context_parallel_2_matches_one_process(tmp_path):
+    """The embedded corpus: training losses and the eval (run under CP: split rows) of one process."""
+    def text(out_dir, **kw):
+        raw = train_config(out_dir, eval_interval=4, eval_batches=2, sample_tokens=0, **kw)
+        raw["model"]["vocab_size"], raw["data"] = 257, {"kind": "stdlib"}
+        return raw
+    train_with_ranks(tmp_path, 2, [text(tmp_path / "cp", context_parallel=2)])
+    from config import from_raw
+    from train import train
+    train(from_raw(text(tmp_path / "one")), quiet=True)
+    rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("cp", "one")}
+    evals = {name: [r["val_loss"] for r in rs if "val_loss" in r] for name, rs in rows.items()}
+    assert len(evals["one"]) == 1 and abs(evals["one"][0] - evals["cp"][0]) <= 1e-5, evals
+    one, got = losses(tmp_path / "one"), losses(tmp_path / "cp")
+    assert max(abs(one[s] - got[s]) for s in one) <= 1e-5, (one, got)
+
+
 def test_context_parallel_config_errors(tmp_path, monkeypatch):
     from config import from_raw
     from model import ConfigError
