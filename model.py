@@ -880,7 +880,8 @@ class GPT(nn.Module):
         """
         if cu_seqlens is not None:
             if cp is not None:
-                raise ValueError("GPT.forward: packed documents (cu_seqlens) with context parallelism are not supported")
+                raise ValueError("GPT.forward: packed documents (cu_seqlens) are not supported with context "
+                                 "parallelism (cp)")
             cu_seqlens = kernels.check_cu_seqlens(cu_seqlens, *idx.shape, "GPT.forward").to(idx.device)
         x = self.wte(idx)
         for block in self.blocks:
