@@ -60,7 +60,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # never reduce autograd's buffer in place
         dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce_scatter
         return grad[ctx.rank], None
 

@@ -28,7 +28,8 @@ def small(pattern, layers, **kw):
 
 
 MIXERS = {
-    "attn": small(["a"], {"a": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "qk_norm": True}}),
+    "attn": small(["a", "s"], {"a": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "qk_norm": True},
+                               "s": {"kind": "attn", "n_heads": 2, "sinks": True}}),
     "attn_window_sinks": small(["w", "v"], {
         "w": {"kind": "attn", "n_heads": 2, "window": 9, "sinks": True},
         "v": {"kind": "attn", "n_heads": 2, "window": 100, "rope": False}}),   # window > a piece
