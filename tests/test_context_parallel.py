@@ -266,11 +266,12 @@ def test_context_parallel_config_errors(tmp_path, monkeypatch):
         train(from_raw(train_config(tmp_path, context_parallel=2)), quiet=True)
 
 
-def test_context_parallel_not_dividing_the_ranks_is_one_line_exit_2(tmp_path):
-    from config import ROOT
+def test_context_parallel_not_dividing_the_ranks_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """Checked at start-up from torchrun's WORLD_SIZE, before any process group or model."""
+    from train import main
     cfg_path = tmp_path / "cp.yaml"
     cfg_path.write_text(json.dumps(train_config(tmp_path / "out", context_parallel=4, seq_len=64)))
-    r = torchrun(2, cfg_path, os.path.join(ROOT, "train.py"))
-    # the ranks exit 2 with the one line (torchrun itself then reports the failed ranks)
-    assert r.returncode != 0 and "exitcode  : 2" in r.stderr and 'train.py", line' not in r.stderr, r.stderr
-    assert "error: train.context_parallel: must be a divisor of the number of ranks 2 (got 4)" in r.stderr
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([str(cfg_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: train.context_parallel: must be a divisor of the number of ranks 2 (got 4)\n", err
