@@ -75,6 +75,7 @@ class TrainConfig:
     init_from: Optional[str] = None     # a checkpoint (file or folder) whose weights start a fresh run
                                         # (e.g. one `convert.py from-hf` wrote); --resume takes precedence
     stop_at: dict = field(default_factory=dict)  # early stop after an eval, e.g. {val_acc: 0.99}
+    context_parallel: int = 1           # N ranks share every sequence (context_parallel.py); data x context
 
     def check(self, path, model):
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_interval",
@@ -100,6 +101,21 @@ class TrainConfig:
             require(key in STOP_METRICS, f"{path}.stop_at.{key}", f"one of {', '.join(STOP_METRICS)}", key)
             require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{path}.stop_at.{key}",
                     "a number (the target the eval metric must reach)", value)
+        N = self.context_parallel
+        positive(f"{path}.context_parallel", N)
+        require(self.seq_len % (2 * N) == 0, f"{path}.context_parallel",
+                f"N with seq_len={self.seq_len} divisible by 2N (each rank holds two pieces)", N)
+        if N > 1:
+            from context_parallel import unsupported
+            kind = unsupported(model)
+            require(kind is None, f"{path}.context_parallel", f"1 with {kind} layers (not supported)", N)
+            require(not self.compile, f"{path}.context_parallel", "1 with train.compile (not supported)", N)
+
+
+def check_world(tc, world):
+    """train.context_parallel against the number of ranks (known at start-up, before any model)."""
+    require(world % tc.context_parallel == 0, "train.context_parallel",
+            f"a divisor of the number of ranks {world}", tc.context_parallel)
 
 
 @dataclass
@@ -160,6 +176,8 @@ def from_raw(raw):
     for key in train.stop_at:
         require(key in reported, f"train.stop_at.{key}", f"a metric data.kind={data.kind} reports "
                 f"({', '.join(reported)})", key)
+    require(not data.pack or train.context_parallel == 1, "train.context_parallel",
+            "1 with data.pack (packed documents are not split over ranks yet)", train.context_parallel)
     return Config(model, data, train, copy.deepcopy(raw))
 
 

@@ -346,11 +346,14 @@ def rope_angles(positions, dim, theta):
     return angles.cos(), angles.sin()
 
 
-def token_positions(x, pos, cache, cu_seqlens):
+def token_positions(x, pos, cache, cu_seqlens, cp=None):
     """Positions of the tokens of x [B, T, ...]: pos .. pos+T-1 [T] for an int pos, [B, T] for a tensor
     of per-row starts [B] (the serving engine decodes requests at different positions together); with
-    packed documents (cu_seqlens, parallel path only) every token's position inside its own document."""
+    packed documents (cu_seqlens, parallel path only) every token's position inside its own document;
+    under context parallelism (cp) [B, T]: every row is a piece of the sequence with its own positions."""
     T = x.shape[1]
+    if cp is not None:
+        return cp.positions(x)
     if cu_seqlens is not None:
         if cache is not None:
             raise ValueError("cu_seqlens (packed documents) is for the parallel path only: call with cache=None")
@@ -536,12 +539,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(D, model.norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(Hq)) if cfg.sinks else None
 
-    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
         """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path.
-        cu_seqlens: packed documents (B == 1), positions restart at every document."""
+        cu_seqlens: packed documents (B == 1), positions restart at every document.
+        cp: context parallelism (context_parallel.py): x is the rank's pieces of the sequence."""
         B, T, _ = x.shape
         c = self.cfg
-        positions = token_positions(x, pos, cache, cu_seqlens)
+        positions = token_positions(x, pos, cache, cu_seqlens, cp)
         # one matmul for q | k | v (fewer, larger matmuls: faster on CPU than three)
         w_qkv = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
         b_qkv = None if self.wq.bias is None else torch.cat([self.wq.bias, self.wk.bias, self.wv.bias])
@@ -559,8 +563,11 @@ class Attention(nn.Module):
         else:
             if cache is not None:
                 k, v = self.update_cache(cache, k, v, pos)
-            o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend,
-                                  cu_seqlens=cu_seqlens)
+            if cp is not None:
+                o = cp.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend)
+            else:
+                o = kernels.attention(q, k, v, window=c.window, sinks=self.sinks, backend=self.backend,
+                                      cu_seqlens=cu_seqlens)
         if self.wg is not None:  # gated attention: one sigmoid gate per output channel  [B, T, Hq, D]
             o = o * torch.sigmoid(self.wg(x)).view_as(o)
         return self.wo(o.reshape(B, T, -1))
@@ -695,14 +702,20 @@ class DeltaNet(nn.Module):
                 dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
                 self.dt_bias.copy_(inverse_softplus(dt))
 
-    def short_conv(self, u, cache, doc_pos=None):
+    def short_conv(self, u, cache, doc_pos=None, cp=None):
         """Causal depthwise conv + SiLU over u [B, T, C]; the cache keeps the last conv_size-1 inputs.
         doc_pos [T] (packed documents): each token's position in its document; the conv then reads
-        only inputs of the token's own document (tap s, s tokens back, is dropped where doc_pos < s)."""
+        only inputs of the token's own document (tap s, s tokens back, is dropped where doc_pos < s).
+        cp (context parallelism): the conv_size-1 inputs before each piece come from the other ranks."""
         if not self.cfg.conv_size:
             return F.silu(u)
         width = self.cfg.conv_size
-        past = u.new_zeros(u.shape[0], width - 1, u.shape[2]) if cache is None else cache.conv.to(u.dtype)
+        if cp is not None:
+            past = cp.halo_padded(u, width - 1)
+        elif cache is None:
+            past = u.new_zeros(u.shape[0], width - 1, u.shape[2])
+        else:
+            past = cache.conv.to(u.dtype)
         full = torch.cat([past, u], dim=1)                                  # [B, width-1+T, C]
         if cache is not None:
             cache.conv.copy_(full[:, full.shape[1] - (width - 1):])
@@ -714,12 +727,12 @@ class DeltaNet(nn.Module):
         out = F.conv1d(full.transpose(1, 2), self.conv.to(u.dtype)[:, None, :], groups=u.shape[2])
         return F.silu(out.transpose(1, 2))                                  # [B, T, C]
 
-    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
         B, T, _ = x.shape
         c = self.cfg
         H, K, V = c.n_v_heads, c.head_dim, c.v_head_dim                     # H: value heads (= state heads)
         doc_pos = None if cu_seqlens is None else token_positions(x, pos, cache, cu_seqlens)
-        q, k, v = self.short_conv(self.w_qkv(x), cache, doc_pos).split(self.qkv_dims, dim=-1)
+        q, k, v = self.short_conv(self.w_qkv(x), cache, doc_pos, cp).split(self.qkv_dims, dim=-1)
         q, k, v = q.view(B, T, c.n_heads, K), k.view(B, T, c.n_heads, K), v.view(B, T, H, V)
         if c.qk_norm:
             q, k = l2norm(q), l2norm(k)
@@ -729,6 +742,8 @@ class DeltaNet(nn.Module):
         if c.kind == "linear":
             if state is not None and T == 1:
                 o = kernels.linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, scale=1.0)[:, None]
+            elif cp is not None:
+                o = cp.linear_attention(q, k, v, scale=1.0)
             else:
                 o, final = kernels.linear_attention(q, k, v, scale=1.0, initial_state=state,
                                                     output_final_state=state is not None, cu_seqlens=cu_seqlens)
@@ -740,6 +755,8 @@ class DeltaNet(nn.Module):
             if state is not None and T == 1:
                 o = kernels.delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
                                             backend=self.backend)[:, None]
+            elif cp is not None:
+                o = cp.delta_rule(q, k, v, g, beta, backend=self.backend)
             else:
                 o, final = kernels.delta_rule(q, k, v, g, beta, initial_state=state,
                                               output_final_state=state is not None, backend=self.backend,
@@ -846,13 +863,14 @@ class MLA(nn.Module):
         w = self.wkv_b.weight.view(c.n_heads, c.qk_nope_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, :c.qk_nope_dim], w[:, c.qk_nope_dim:]
 
-    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
         """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path.
-        cu_seqlens: packed documents (B == 1): positions restart, the indexer picks within the document."""
+        cu_seqlens: packed documents (B == 1): positions restart, the indexer picks within the document.
+        cp: context parallelism: the latent rows (and indexer keys) of the whole sequence are gathered."""
         B, T, _ = x.shape
         c = self.cfg
         H, d_c, d_nope, d_rope, d_v = c.n_heads, c.kv_lora_rank, c.qk_nope_dim, c.rope_dim, c.v_head_dim
-        positions = token_positions(x, pos, cache, cu_seqlens)
+        positions = token_positions(x, pos, cache, cu_seqlens, cp)
         doc_start = None if cu_seqlens is None else torch.arange(T, device=x.device) - positions  # [T]
         self.aux_loss = None
         want_loss = self.training and cache is None and self.indexer is not None
@@ -876,6 +894,9 @@ class MLA(nn.Module):
         paged = cache is not None and hasattr(cache, "attend_latent")  # engine.py: rows in a block pool
         if cache is not None and not paged:
             latent, ik = self.update_cache(cache, latent, ik if self.indexer is not None else None, pos)
+        if cp is not None:  # [B/2, T_total, d_c + d_rope]: the small latent rows cross over, not K/V
+            latent = cp.gather(latent)
+            ik = cp.gather(ik) if self.indexer is not None else None
         S = latent.shape[1]                                                 # keys visible: 0 .. S-1
         sparse = self.indexer is not None and c.dsa.stage == "sparse"
         absorb = (T == 1) if self.absorb is None else self.absorb
@@ -886,8 +907,13 @@ class MLA(nn.Module):
             q_lat = torch.cat([q_abs, q_rope], dim=-1)                         # [B, T, H, d_c + d_rope]
             if paged:
                 o_lat = cache.attend_latent(self, q_lat, latent, *((iq, iw, ik) if sparse else (None,) * 3))
-            elif sparse:
+            elif sparse and cp is None:
                 o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss, cu_seqlens)
+            elif sparse:  # piece by piece: the piece's queries from its start, the keys up to its end
+                parts = [self._sparse_attention(q_lat[rows], latent[:, :end], iq[rows], iw[rows], ik[:, :end],
+                                                start, want_loss) for rows, start, end in cp.piece_ranges(q_lat)]
+                o_lat = torch.cat([o for o, _ in parts])
+                kl = sum(part_kl for _, part_kl in parts) if want_loss else None
             else:  # MQA with one kv head: keys [c_kv, k_rope], values c_kv. The head is broadcast to
                 # all H heads as a stride-0 view (no copy): with Hq == Hkv PyTorch's SDPA takes its
                 # fused path, while Hq != Hkv (enable_gqa) falls back to the ~30x slower math path on CPU.
@@ -896,14 +922,21 @@ class MLA(nn.Module):
                                           backend=self.backend)               # [B, T, H, d_c]
             o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)                    # [B, T, H, d_v]
         else:  # expanded: [k_nope_h, v_h] = c_kv W_ukv for every visible key
-            kv = self.wkv_b(latent[..., :d_c]).view(B, S, H, d_nope + d_v)
+            Bk = latent.shape[0]
+            kv = self.wkv_b(latent[..., :d_c]).view(Bk, S, H, d_nope + d_v)
             k_nope, v = kv.split([d_nope, d_v], dim=-1)                        # [B, S, H, d_nope], [B, S, H, d_v]
-            k = torch.cat([k_nope, latent[:, :, None, d_c:].expand(B, S, H, d_rope)], dim=-1)
+            k = torch.cat([k_nope, latent[:, :, None, d_c:].expand(Bk, S, H, d_rope)], dim=-1)
             q = torch.cat([q_nope, q_rope], dim=-1)                            # [B, T, H, d_nope + d_rope]
-            o = kernels.attention(q, k, v, scale=self.scale, backend=self.backend,
-                                  cu_seqlens=cu_seqlens)                       # [B, T, H, d_v]
-            if want_loss:
+            if cp is not None:
+                o = cp.attention(q, k, v, scale=self.scale, backend=self.backend, gathered=True)
+            else:
+                o = kernels.attention(q, k, v, scale=self.scale, backend=self.backend,
+                                      cu_seqlens=cu_seqlens)                   # [B, T, H, d_v]
+            if want_loss and cp is None:
                 kl = self._dense_indexer_kl(q.detach(), k.detach(), iq, iw, ik, doc_start)
+            elif want_loss:
+                kl = sum(self._dense_indexer_kl(q[rows].detach(), k[:, :end].detach(), iq[rows], iw[rows],
+                                                ik[:, :end], offset=start) for rows, start, end in cp.piece_ranges(q))
         if want_loss:  # L_I: KL summed over heads' distribution, mean over the B*T query tokens
             self.aux_loss = ("indexer_kl", c.dsa.loss_weight * kl / (B * T))
         return self.wo(o.reshape(B, T, H * d_v))
@@ -951,9 +984,9 @@ class MLA(nn.Module):
             kl = kl + kl_to_logits(target, logits, valid)
         return kl
 
-    def _dense_indexer_kl(self, q, k, iq, iw, ik, doc_start=None):
+    def _dense_indexer_kl(self, q, k, iq, iw, ik, doc_start=None, offset=0):
         """dense_warmup L_I (summed over tokens): KL(p_t || softmax(I_t)) over all s <= t
-        (and s >= doc_start[t] with packed documents).
+        (and s >= doc_start[t] with packed documents). Query t sits at position offset + t.
 
         q, k [B,T,H,d_nope+d_rope] detached. Blocks are checkpointed: autograd keeps only their inputs,
         and the [B, block, H_I, T] ReLU scores are recomputed in backward."""
@@ -961,8 +994,8 @@ class MLA(nn.Module):
         kl = 0.0
         for t0 in range(0, q.shape[1], MLA_BLOCK_Q):
             t1 = min(q.shape[1], t0 + MLA_BLOCK_Q)
-            kl = kl + checkpoint(self._dense_kl_block, q[:, t0:t1], k[:, :t1], iq[:, t0:t1], iw[:, t0:t1],
-                                 ik[:, :t1], t0, None if doc_start is None else doc_start[t0:t1],
+            kl = kl + checkpoint(self._dense_kl_block, q[:, t0:t1], k[:, :offset + t1], iq[:, t0:t1], iw[:, t0:t1],
+                                 ik[:, :offset + t1], offset + t0, None if doc_start is None else doc_start[t0:t1],
                                  use_reentrant=False)
         return kl
 
@@ -1054,7 +1087,7 @@ class MFA(nn.Module):
         self.wo = nn.Linear(H * C, d, bias=False)                 # O_h
         self.wo.residual_out = True
 
-    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):  # cp: refused at config time
         """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path."""
         check_no_packing("mfa", cu_seqlens)
         B, T, _ = x.shape
@@ -1177,7 +1210,7 @@ class NSA(nn.Module):
     def reset_special_parameters(self):
         nn.init.normal_(self.cmp_pos, 0.0, 0.02)
 
-    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):  # cp: refused at config time
         """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path."""
         check_no_packing("nsa", cu_seqlens)
         B, T, _ = x.shape
@@ -1336,8 +1369,8 @@ class Block(nn.Module):
         else:
             self.mlp = SwiGLU(model.d_model, model.mlp.dense_size())
 
-    def forward(self, x, cache=None, pos=0, cu_seqlens=None):
-        x = x + self.mixer(self.norm1(x), cache, pos, cu_seqlens=cu_seqlens)
+    def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
+        x = x + self.mixer(self.norm1(x), cache, pos, cu_seqlens=cu_seqlens, cp=cp)
         return x + self.mlp(self.norm2(x))
 
 
@@ -1379,25 +1412,35 @@ class GPT(nn.Module):
         loads = [b.mlp.update_router_bias(update).tolist() for b in self.blocks if isinstance(b.mlp, MoE)]
         return {"expert_load": loads, "dropped_tokens": 0} if loads else {}
 
-    def forward(self, idx, targets=None, cu_seqlens=None):
+    def forward(self, idx, targets=None, cu_seqlens=None, cp=None):
         """idx [B, T] -> logits [B, T, vocab]; loss (mean cross-entropy, targets -1 ignored) or None.
 
         cu_seqlens (packed documents, flash-attention's varlen convention): int32 [n_docs + 1] = 0, the
         end of every document, T, with idx [1, T]; the result equals running every document alone.
+
+        cp (context parallelism, context_parallel.py): idx [2B, L] = cp.split(rows) is this rank's
+        pieces of the sequence; the loss is the mean over this rank's tokens.
 
         Mixers with auxiliary losses (the DSA indexer) leave them in `mixer.aux_loss`; they are added
         to the loss and reported in `self.aux_losses` (name -> detached mean over layers); the
         cross-entropy alone is kept in `self.lm_loss`.
         """
         if cu_seqlens is not None:
+            if cp is not None:
+                raise ValueError("GPT.forward: packed documents (cu_seqlens) are not supported with context "
+                                 "parallelism (cp)")
             cu_seqlens = kernels.check_cu_seqlens(cu_seqlens, *idx.shape, "GPT.forward").to(idx.device)
         x = self.wte(idx)
         for block in self.blocks:
-            x = block(x, cu_seqlens=cu_seqlens)
+            x = block(x, cu_seqlens=cu_seqlens, cp=cp)
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        flat = logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
+        if cp is None:
+            loss = F.cross_entropy(*flat, ignore_index=-1)
+        else:  # this rank's share of the mean over the context group's tokens (their mean is that mean)
+            loss = F.cross_entropy(*flat, ignore_index=-1, reduction="sum") / cp.tokens_per_rank(targets)
         self.lm_loss = loss.detach()  # the LM part alone, for logging
         self.aux_losses = {}
         for block in self.blocks:

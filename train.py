@@ -9,6 +9,8 @@
 
 train.batch_size is the GLOBAL micro-batch: each of the W ranks reads batch_size / W sequences of it,
 so a run gives the same losses on 1, 2 or 8 ranks. Only rank 0 prints and writes files.
+train.context_parallel=N: every N consecutive ranks share each sequence (context_parallel.py), the
+W / N groups split the batch as above: a 2-D data x context layout.
 
 Writes <out_dir>/metrics.jsonl (one JSON object per log or eval step) and <out_dir>/ckpt_<step>.pt
 (the last train.keep_last of them). SIGTERM, SIGUSR1 or Ctrl-C: the current step finishes, a checkpoint
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import cost
-from config import from_raw, load_config, split_args
+from config import check_world, from_raw, load_config, split_args
 from data import SYNTHETIC_KINDS, make_dataset
 from data.tokens import DataError, atomic_write
 from model import GPT, ConfigError
@@ -364,6 +366,7 @@ def train(cfg, resume=None, quiet=False, stop_at=None, overwrite=False):
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
+    check_world(tc, int(os.environ.get("WORLD_SIZE", 1)))
     pg = Dist(tc)
     try:
         return _train(cfg, pg, resume, quiet, stop_at, overwrite)
@@ -479,7 +482,13 @@ class Run:
                 from data.stdlib import prepare_stdlib
                 prepare_stdlib(cfg.data.dir, quiet=self.quiet)
             pg.barrier()
-        return make_dataset(cfg, pg.rank, pg.world)
+        n_cp = self.tc.context_parallel  # ranks d*n_cp .. d*n_cp+n_cp-1 share the rows of data rank d
+        self.cp = None
+        if n_cp > 1:  # every rank creates every group, in the same order; its own is a separate communicator
+            from context_parallel import ContextParallel
+            groups = [dist.new_group(list(range(d, d + n_cp))) for d in range(0, pg.world, n_cp)]
+            self.cp = ContextParallel(groups[pg.rank // n_cp])
+        return make_dataset(cfg, pg.rank // n_cp, pg.world // n_cp)
 
     def find_checkpoint(self, resume):
         """(ckpt, path) to resume from, or (None, None): chosen by rank 0, read by every rank
@@ -549,7 +558,8 @@ class Run:
         for opt in self.optimizers:  # the peak lrs come from this config, not the checkpoint
             for group in opt.param_groups:
                 group["base_lr"] = tc.muon_lr if isinstance(opt, torch.optim.Muon) else tc.lr
-        same_world = ckpt.get("world_size") == pg.world
+        same_world = (ckpt.get("world_size") == pg.world
+                      and ckpt.get("context_parallel", 1) == self.tc.context_parallel)
         self.data.load_state_dict(ckpt["data_per_rank"][pg.rank] if same_world and "data_per_rank" in ckpt
                                   else ckpt["data"])
         rngs = ckpt.get("rng")
@@ -570,6 +580,8 @@ class Run:
         if not self.quiet:
             kinds = ", ".join(c.kind for c in cfg.model.layer_configs())
             par = f", {pg.world} ranks ({tc.parallel})" if pg.enabled else ""
+            if self.cp is not None:
+                par += f", {pg.world // tc.context_parallel} data x {tc.context_parallel} context"
             print(f"model: {self.n_params / 1e6:.2f}M parameters, {cfg.model.n_layer} layers ({kinds}), device "
                   f"{self.device.type}{par}, optimizer {tc.optimizer}"
                   + (f", resumed at step {self.step}" if self.step else ""))
@@ -613,6 +625,8 @@ class Run:
         for micro in range(tc.grad_accum):
             x, y, *packed = self.data.next_batch()  # data.pack: x, y [1, B*T] and their cu_seqlens
             kw = {"cu_seqlens": packed[0].to(device)} if packed else {}
+            if self.cp is not None:  # this rank's two pieces of every row
+                x, y, kw = self.cp.split(x), self.cp.split(y), {"cp": self.cp}
             with self.sync_grads(micro == tc.grad_accum - 1):
                 with self.autocast():
                     _, loss = self.fwd(x.to(device, non_blocking=True), y.to(device, non_blocking=True), **kw)
@@ -681,8 +695,14 @@ class Run:
     def evaluate(self):
         module, pg = self.module, self.pg
         module.eval()
+        # text: long rows are evaluated under CP too (the loss shares average to the mean below);
+        # synthetic tasks read logits against whole rows (short rows): every rank runs them whole
+        evaluated = module
+        if self.cp is not None and self.cfg.data.kind not in SYNTHETIC_KINDS:
+            from context_parallel import SplitRows
+            evaluated = SplitRows(module, self.cp)
         with self.autocast():
-            metrics = self.data.evaluate(module, self.tc.eval_batches, self.device)
+            metrics = self.data.evaluate(evaluated, self.tc.eval_batches, self.device)
         module.train()
         keys = sorted(metrics)  # every rank evaluated its slice of the same global batches
         vals = pg.sum_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)) / pg.world
@@ -701,7 +721,8 @@ class Run:
             save_checkpoint(os.path.join(tc.out_dir, f"ckpt_{self.step}.pt"), {
                 "version": CKPT_VERSION, "model": model_sd, "optimizer": optim_sd, "step": self.step,
                 "tokens": self.tokens_seen, "skipped_steps": self.skipped, "config": self.cfg.raw,
-                "world_size": pg.world, "parallel": tc.parallel if pg.enabled else "none",
+                "world_size": pg.world, "context_parallel": tc.context_parallel,
+                "parallel": tc.parallel if pg.enabled else "none",
                 "data": positions[0], "data_per_rank": positions, "rng": rngs})
             prune_checkpoints(tc.out_dir, tc.keep_last)
         pg.barrier()
