@@ -470,6 +470,8 @@ def sigmoid_moe_hf(mc, family):
 
 
 def kimi_our_config(hf, family="kimi_linear"):
+    refuse(not getattr(hf, "attention_bias", False), "config.json attention_bias=true: kimi_linear's attention "
+           "biases are not converted")
     layers = {"kda": dict(kind="kda", n_heads=hf.linear_num_heads, head_dim=hf.linear_head_dim,
                           conv_size=hf.linear_conv_kernel_dim),
               "mla": dict(kind="mla", n_heads=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank,

@@ -444,3 +444,22 @@ def test_quantized_folder_is_refused(tmp_path, capsys):
         "(quant_method='mxfp4'): quantized weights (e.g. gpt-oss's MXFP4 experts) do not convert; save a " \
         "dequantized copy first", err
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("kimi_linear", {"attention_bias": True}, "error: config.json attention_bias=true: kimi_linear's attention biases"),
+    ("deepseek_v32", {"attention_bias": True}, "error: config.json attention_bias=true: not converted"),
+    ("qwen3_next_moe", {"mlp_only_layers": [1]}, "error: config.json mlp_only_layers=[1], decoder_sparse_step=1: only "
+     "leading dense layers convert (first_k_dense)"),
+    ("kimi_linear_moe", {"mlp_layer_types": ["sparse", "dense", "sparse"]}, "error: config.json: MoE layers after a "
+     "dense one"),
+])
+def test_hf_option_the_project_lacks_is_refused(name, change, message, tmp_path, capsys):
+    HF_CONFIGS[f"{name}_changed"] = dict(HF_CONFIGS[name], **change)
+    try:
+        tiny_hf_model(f"{name}_changed", tmp_path / "hf")
+    finally:
+        del HF_CONFIGS[f"{name}_changed"]
+    code, err = run_cli(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and err.startswith(message) and "\n" not in err, err
+    assert not os.path.exists(tmp_path / "out")
