@@ -463,3 +463,18 @@ def test_hf_option_the_project_lacks_is_refused(name, change, message, tmp_path,
     code, err = run_cli(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")], capsys)
     assert code == 2 and err.startswith(message) and "\n" not in err, err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_from_hf_reads_a_sharded_bf16_folder(tmp_path):
+    """Hub checkpoints come in bf16, in several safetensors shards with an index: read into fp32, the
+    same model as transformers' with those bf16 weights."""
+    hf = tiny_hf_model("qwen3_next_moe", tmp_path / "fp32")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert len([f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]) > 1
+    assert convert.main(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 0
+    ours, _ = load_model(str(tmp_path / "ours"))
+    assert all(v.dtype == torch.float32 for v in ours.state_dict().values())
+    hf = hf.float()
+    idx = torch.randint(0, V, (2, 15), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert relative_error(ours(idx)[0], hf(idx).logits) <= 1e-4
