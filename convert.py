@@ -25,8 +25,9 @@ Top-k choices (experts, DSA keys) whose scores tie to fp32 rounding may go the o
 a discontinuity of top-k, not a difference of the models. DeepSeek's and Qwen3-Next's multi-token
 prediction weights are skipped on the way in. A config no family can express is refused naming the
 option in the way; so is an HF folder of another family, a missing weight or a shape that does not fit:
-one line, exit 2, nothing written. Every output is written to a temporary name and renamed into place.
-Tokenizers are not converted.
+one line, exit 2, nothing written. Quantized folders (quantization_config, e.g. the hub's MXFP4 gpt-oss)
+are refused: convert a dequantized copy. Every output is written to a temporary name and renamed into
+place. Tokenizers are not converted.
 """
 import argparse
 import dataclasses
@@ -469,6 +470,8 @@ def sigmoid_moe_hf(mc, family):
 
 
 def kimi_our_config(hf, family="kimi_linear"):
+    refuse(not getattr(hf, "attention_bias", False), "config.json attention_bias=true: kimi_linear's attention "
+           "biases are not converted")
     layers = {"kda": dict(kind="kda", n_heads=hf.linear_num_heads, head_dim=hf.linear_head_dim,
                           conv_size=hf.linear_conv_kernel_dim),
               "mla": dict(kind="mla", n_heads=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank,
@@ -781,9 +784,13 @@ def read_hf(folder):
     refuse(os.path.isfile(path), f"{folder}: no config.json (not a transformers model folder)")
     try:
         with open(path) as f:
-            model_type = json.load(f).get("model_type")
+            raw = json.load(f)
+        model_type, quant = raw.get("model_type"), raw.get("quantization_config")
     except (OSError, ValueError, AttributeError):
         raise ConvertError(f"{path}: not a readable JSON config") from None
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    refuse(not quant, f"{path}: quantization_config (quant_method={method!r}): quantized weights (e.g. gpt-oss's "
+           f"MXFP4 experts) do not convert; save a dequantized copy first")
     refuse(model_type in FAMILIES, f"{path}: model_type={model_type!r} is not a family this converter knows "
            f"({', '.join(FAMILIES)})")
     try:

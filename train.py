@@ -227,7 +227,7 @@ def _flatten(d, prefix):
     return out
 
 
-def check_model_matches(path, ckpt, cfg, verbose=True):
+def check_model_matches(path, ckpt, cfg, verbose=True, what="resuming"):
     """A checkpoint resumes only into a model with the same weights (names and shapes), else it is
     refused naming the differing config keys. Settings that change no weight (dsa.stage, window,
     top_k, backend, ...) may change between runs, e.g. DSA's dense_warmup -> sparse; they are listed."""
@@ -238,7 +238,8 @@ def check_model_matches(path, ckpt, cfg, verbose=True):
         raise DataError(f"{path}: the checkpoint's config is not valid for this code ({e})") from None
     if saved == cfg.model:
         return
-    a, b = _flatten(asdict(saved), "model."), _flatten(asdict(cfg.model), "model.")
+    a, b = (_flatten(dict(asdict(m), pattern=[m.pattern[i % len(m.pattern)] for i in range(m.n_layer)]), "model.")
+            for m in (saved, cfg.model))  # a pattern and its cycled form are the same layers
     diffs = [f"{k} {a.get(k)!r} in the checkpoint, {b.get(k)!r} here" for k in sorted(set(a) | set(b))
              if a.get(k) != b.get(k)]
     with torch.device("meta"):
@@ -246,18 +247,18 @@ def check_model_matches(path, ckpt, cfg, verbose=True):
     if shapes != {k: tuple(v.shape) for k, v in ckpt["model"].items()}:
         raise DataError(f"{path}: the checkpoint's model does not match this config ({'; '.join(diffs[:3])}"
                         f"{'; ...' if len(diffs) > 3 else ''}); resume with the model it was trained with")
-    if verbose:
-        print(f"note: resuming with changed model settings (same weights): {'; '.join(diffs)}")
+    if verbose and diffs:
+        print(f"note: {what} with changed model settings (same weights): {'; '.join(diffs)}")
 
 
-def init_weights_from(module, path, cfg):
+def init_weights_from(module, path, cfg, verbose=False):
     """train.init_from: a fresh run (step 0, new optimizer and data order) from a checkpoint's weights."""
     if os.path.isdir(path):
         folder, path = path, latest_checkpoint(path)
         if path is None:
             raise DataError(f"{folder}: no checkpoint (ckpt_*.pt) to initialise from (train.init_from)")
     ckpt = load_checkpoint(path)
-    check_model_matches(path, ckpt, cfg, verbose=False)
+    check_model_matches(path, ckpt, cfg, verbose, what="init_from")
     module.load_state_dict(ckpt["model"])
 
 
@@ -524,7 +525,7 @@ class Run:
             except RuntimeError:
                 raise DataError(f"{path}: the checkpoint's weights do not fit this config's model") from None
         elif tc.init_from:
-            init_weights_from(module, tc.init_from, self.cfg)
+            init_weights_from(module, tc.init_from, self.cfg, verbose=pg.main and not self.quiet)
         roles = param_roles(module, tc)
         fwd = module
         if self.fsdp:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a requirement: the interchange format)
 
 import convert  # noqa: E402
 from sample import load_model  # noqa: E402
@@ -128,6 +128,10 @@ def test_from_hf_and_back_matches_transformers(name, tmp_path, no_index_ties):
 
 OUR_CONFIGS = {
     "llama": {"layers": {"a": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2}}, "pattern": ["a"]},
+    "llama_bias": {"layers": {"a": {"kind": "attn", "n_heads": 4, "bias": True, "rope_theta": 500.0}},
+                   "pattern": ["a"], "tie_embeddings": False},
+    "qwen3": {"layers": {"a": {"kind": "attn", "n_heads": 4, "n_kv_heads": 1, "head_dim": 12, "qk_norm": True}},
+              "pattern": ["a"], "tie_embeddings": False},
     "qwen3_next": {"layers": {"g": {"kind": "gdn", "n_heads": 2, "n_v_heads": 4, "head_dim": 8},
                               "a": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "qk_norm": True,
                                     "output_gate": True, "rope_fraction": 0.5}},
@@ -159,6 +163,13 @@ OUR_CONFIGS = {
                         "pattern": ["k", "m"], "tie_embeddings": False,
                         "mlp": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 8, "n_shared": 1,
                                 "router": "sigmoid", "routed_scale": 2.5, "first_k_dense": 1, "dense_hidden": 24}},
+    "kimi_linear_moe_groups": {"layers": {"k": {"kind": "kda", "n_heads": 2, "head_dim": 8},
+                                          "m": {"kind": "mla", "n_heads": 2, "kv_lora_rank": 16, "qk_nope_dim": 8,
+                                                "qk_rope_dim": 4, "v_head_dim": 8, "rope": False}},
+                               "pattern": ["k", "m"], "tie_embeddings": False,
+                               "mlp": {"kind": "moe", "n_experts": 8, "top_k": 2, "hidden": 8, "n_shared": 2,
+                                       "router": "sigmoid", "routed_scale": 2.446, "n_group": 4, "topk_group": 2,
+                                       "norm_topk": False}},
 }
 
 
@@ -186,7 +197,7 @@ def test_to_hf_matches_the_project_model(name, tmp_path, no_index_ties):
     ours = our_checkpoint(tmp_path / "run", OUR_CONFIGS[name])
     assert convert.main(["to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
-    assert hf.config.model_type == name.replace("_moe", "")
+    assert hf.config.model_type == max((f for f in convert.FAMILIES if name == f or name.startswith(f + "_")), key=len)
     idx = torch.randint(0, V, (2, 19), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert relative_error(hf(idx).logits, ours(idx)[0]) <= 1e-4
@@ -325,6 +336,7 @@ def test_shipped_miniature_converts_to_its_family(name, tmp_path, no_index_ties)
     idx = torch.randint(0, model_cfg["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert relative_error(hf(idx).logits, ours(idx)[0]) <= 1e-4
+    assert torch.equal(ours.generate(idx[:, :16], 8, temperature=0)[:, 16:], hf_greedy(hf, idx[:, :16], 8))
 
 
 def test_multi_token_prediction_weights_are_skipped_and_only_they(tmp_path, capsys):
@@ -338,3 +350,131 @@ def test_multi_token_prediction_weights_are_skipped_and_only_they(tmp_path, caps
     code, err = run_cli(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out2")], capsys)
     assert code == 2 and err == "error: weight model.layers.2.eh_proj.weight has no place in the project's " \
         "deepseek_v32 model", err
+
+
+def test_trained_checkpoint_out_and_back_in_trains_and_samples(tmp_path, capsys):
+    """A checkpoint train.py wrote (a sigmoid MoE whose balancing bias has moved) -> to-hf -> from-hf is
+    the same model, weight for weight; train.init_from trains on from it and sample.py samples it."""
+    import sample
+    from config import from_raw
+    from train import train
+    model_cfg = dict(OUR_CONFIGS["kimi_linear_moe"], vocab_size=257, d_model=32, n_layer=3)
+    raw = {"model": model_cfg, "data": {"kind": "stdlib"},
+           "train": {"max_steps": 3, "batch_size": 2, "seq_len": 16, "warmup_steps": 0, "eval_batches": 1,
+                     "sample_tokens": 0, "out_dir": str(tmp_path / "run")}}
+    train(from_raw(raw), quiet=True)
+    trained, _ = load_model(str(tmp_path / "run"))
+    assert trained.blocks[1].mlp.router_bias.abs().max() > 0  # the balancing bias moved: it travels too
+    assert convert.main(["to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    idx = torch.randint(0, 257, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert relative_error(hf(idx).logits, trained(idx)[0]) <= 1e-4
+    assert convert.main(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    back, _ = load_model(str(tmp_path / "back"))
+    a, b = trained.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    raw["train"].update(max_steps=1, init_from=str(tmp_path / "back"), out_dir=str(tmp_path / "ft"))
+    train(from_raw(raw), quiet=True)
+    tuned, _ = load_model(str(tmp_path / "ft"))
+    c = tuned.state_dict()
+    moved = [k for k in a if not torch.equal(a[k], c[k])]
+    assert moved and all((a[k] - c[k]).abs().max() < 0.1 for k in a)  # one step from the converted weights
+    capsys.readouterr()
+    assert sample.main(["--ckpt", str(tmp_path / "back"), "--prompt", "def ", "--max_new_tokens", "6"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def cli(*args):
+    import subprocess
+    import sys
+    from config import ROOT
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_cli_help_names_both_directions():
+    r = cli("--help")
+    assert r.returncode == 0 and "to-hf" in r.stdout and "from-hf" in r.stdout and "python convert.py" in r.stdout
+    r = cli("from-hf", "--help")
+    assert r.returncode == 0 and "--out" in r.stdout and r.stderr == ""
+
+
+def bad_folder(folder, case):
+    """An HF folder with one thing wrong; returns the error line expected for it."""
+    from safetensors.torch import load_file, save_file
+    tiny_hf_model("llama", folder.parent / "good")
+    weights = load_file(folder.parent / "good" / "model.safetensors")
+    config = (folder.parent / "good" / "config.json").read_text()
+    cfg, tensors, message = {
+        "family": ('{"model_type": "gpt2"}', weights,
+                   f"error: {folder / 'config.json'}: model_type='gpt2' is not a family this converter knows"),
+        "missing": (config, {k: v for k, v in weights.items() if k != "model.norm.weight"},
+                    "error: missing weight model.norm.weight (a llama model with this config.json has it)"),
+        "shape": (config, {**weights, "model.embed_tokens.weight": torch.zeros(V + 1, 32)},
+                  "error: weight model.embed_tokens.weight has shape (98, 32); config.json implies (97, 32)")}[case]
+    folder.mkdir()
+    (folder / "config.json").write_text(cfg)
+    save_file(tensors, folder / "model.safetensors")
+    return message
+
+
+@pytest.mark.parametrize("case", ["family", pytest.param("missing", marks=pytest.mark.slow),
+                                  pytest.param("shape", marks=pytest.mark.slow)])
+def test_cli_bad_input_is_one_line_exit_2_and_nothing_written(case, tmp_path):
+    """As a command (a process of its own, ~10-20 s each on a loaded machine, hence two are slow)."""
+    message = bad_folder(tmp_path / case, case)
+    r = cli("from-hf", str(tmp_path / case), "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith(message), (case, r.stderr)
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_quantized_folder_is_refused(tmp_path, capsys):
+    """The hub's gpt-oss keeps its experts in MXFP4 (quantization_config); only plain weights convert."""
+    tiny_hf_model("gpt_oss", tmp_path / "hf")
+    import json
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    code, err = run_cli(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and err == f"error: {tmp_path / 'hf' / 'config.json'}: quantization_config " \
+        "(quant_method='mxfp4'): quantized weights (e.g. gpt-oss's MXFP4 experts) do not convert; save a " \
+        "dequantized copy first", err
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("kimi_linear", {"attention_bias": True}, "error: config.json attention_bias=true: kimi_linear's attention biases"),
+    ("deepseek_v32", {"attention_bias": True}, "error: config.json attention_bias=true: not converted"),
+    ("qwen3_next_moe", {"mlp_only_layers": [1]}, "error: config.json mlp_only_layers=[1], decoder_sparse_step=1: only "
+     "leading dense layers convert (first_k_dense)"),
+    ("kimi_linear_moe", {"mlp_layer_types": ["sparse", "dense", "sparse"]}, "error: config.json: MoE layers after a "
+     "dense one"),
+])
+def test_hf_option_the_project_lacks_is_refused(name, change, message, tmp_path, capsys):
+    HF_CONFIGS[f"{name}_changed"] = dict(HF_CONFIGS[name], **change)
+    try:
+        tiny_hf_model(f"{name}_changed", tmp_path / "hf")
+    finally:
+        del HF_CONFIGS[f"{name}_changed"]
+    code, err = run_cli(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and err.startswith(message) and "\n" not in err, err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_from_hf_reads_a_sharded_bf16_folder(tmp_path):
+    """Hub checkpoints come in bf16, in several safetensors shards with an index: read into fp32, the
+    same model as transformers' with those bf16 weights."""
+    hf = tiny_hf_model("qwen3_next_moe", tmp_path / "fp32")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert len([f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]) > 1
+    assert convert.main(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 0
+    ours, _ = load_model(str(tmp_path / "ours"))
+    assert all(v.dtype == torch.float32 for v in ours.state_dict().values())
+    hf = hf.float()
+    idx = torch.randint(0, V, (2, 15), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert relative_error(ours(idx)[0], hf(idx).logits) <= 1e-4

@@ -1,4 +1,5 @@
 """cost.py against hand computations (GQA, windowed, KDA, MLA, MLA+DSA) and against the model."""
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -118,3 +119,17 @@ def test_report_and_cli(capsys):
     assert cost.main(["configs/kimi_linear.yaml"]) == 0
     assert "total" in capsys.readouterr().out
     assert cost.main(["configs/kimi_linear.yaml", "--model.n_layerz=3"]) == 2
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "kimi_linear", "gpt_oss", "deepseek_v32"])
+def test_miniatures_params_and_cache_bytes_equal_the_models(name):
+    """The published layouts (MoE, grouped GDN value heads, gated/partial-RoPE/biased attention, NoPE MLA
+    keeping its rope key part, DSA, untied heads): cost.py's counts are the model's own."""
+    import yaml
+    from config import ROOT
+    from model import ModelConfig
+    with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as f:
+        cfg = ModelConfig.from_dict(yaml.safe_load(f)["model"])
+    model = GPT(cfg)
+    assert cost.num_params(cfg) == model.num_params()
+    assert cost.cache_bytes(cfg, 300, dtype_bytes=4) == model.new_cache(1, 300).nbytes()

@@ -16,6 +16,7 @@ OPTIONS = {
     "qwen3_next_attn": {**ATTN, "output_gate": True, "rope_fraction": 0.25, "qk_norm": True},
     "gdn_grouped_v": {"kind": "gdn", "n_heads": 2, "n_v_heads": 4, "head_dim": 8, "v_head_dim": 6},
     "kda_grouped_v": {"kind": "kda", "n_heads": 2, "n_v_heads": 6, "head_dim": 8},
+    "linear_grouped_v": {"kind": "linear", "n_heads": 2, "n_v_heads": 4, "head_dim": 8},
 }
 
 
@@ -88,7 +89,7 @@ def test_n_v_heads_equal_to_n_heads_is_the_plain_layer():
     assert torch.equal(a(idx)[0], b(idx)[0])
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("kind", ["gdn", "kda", "linear"])
 def test_grouped_value_heads_equal_repeated_key_heads(kind):
     """H key heads serving r*H value heads == r*H key heads whose q/k rows (and conv filters) are
     each key head's copied r times in a row."""

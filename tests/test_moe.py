@@ -195,3 +195,17 @@ def test_cost_counts_all_and_active_parameters(name):
     assert cost.active_params(cfg) == model.num_params() - idle
     dense = make_model(ATTN, n_layer=2)
     assert cost.active_params(dense.config) == cost.num_params(dense.config) == dense.num_params()
+
+
+def test_cost_flops_and_decode_bytes_are_those_of_the_active_experts():
+    """A token's MoE costs what a dense SwiGLU top_k * hidden wide costs, plus the router's matmul
+    (2 FLOPs and one read per weight: d_model x n_experts per layer)."""
+    import cost
+    base = {"d_model": 32, "n_layer": 2, "layers": ATTN, "pattern": ["a"]}
+    moe = ModelConfig.from_dict(dict(base, mlp=MOE))
+    dense = ModelConfig.from_dict(dict(base, mlp={"kind": "swiglu", "hidden": MOE["top_k"] * MOE["hidden"]}))
+    router = 2 * 32 * MOE["n_experts"]                                   # weights over both layers
+    assert cost.train_flops_per_token(moe, 64) == cost.train_flops_per_token(dense, 64) + 3 * 2 * router
+    (f_moe, b_moe, _), (f_dense, b_dense, _) = cost.decode_cost(moe, 100, 2), cost.decode_cost(dense, 100, 2)
+    assert f_moe == f_dense + 2 * router and b_moe == b_dense + 2 * router
+    assert cost.active_params(moe) == cost.num_params(dense) + router

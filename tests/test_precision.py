@@ -76,3 +76,18 @@ def test_training_step_and_decode_under_bf16_autocast(name):
 def test_hybrid_under_bf16_autocast():
     layers = {"k": MIXERS["kda"], "d": MIXERS["dsa_sparse"]}
     check_precision(make_model(layers, pattern=["k", "k", "d"], n_layer=3))
+
+
+MOES = {
+    "softmax_shared_gate": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 16, "n_shared": 1,
+                            "shared_gate": True},
+    "sigmoid_groups": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 16, "n_shared": 1, "router": "sigmoid",
+                       "routed_scale": 2.5, "n_group": 2, "topk_group": 1, "first_k_dense": 1},
+    "gpt_oss_clamped": {"kind": "moe", "n_experts": 4, "top_k": 2, "hidden": 16, "bias": True,
+                        "expert_act": "swiglu_clamped", "swiglu_limit": 0.5},
+}
+
+
+@pytest.mark.parametrize("name", list(MOES))
+def test_moe_under_bf16_autocast(name):
+    check_precision(make_model({"a": MIXERS["attn_gqa"]}, n_layer=2, mlp=MOES[name]))

@@ -80,3 +80,34 @@ def test_default_run_and_sample_end_to_end(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "--ckpt", str(tmp_path / "o"),
                         "--prompt", "import os", "--cache_len", "4"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "raise --cache_len or lower --max_new_tokens" in r.stderr
+
+
+def test_init_from_starts_a_fresh_run_from_the_weights(tmp_path, capsys):
+    """train.init_from: step 0 with the checkpoint's weights; settings that change no weight may differ
+    (listed, a pattern and its cycled form are not a difference); other weights or no checkpoint: one line."""
+    import pytest
+    from data.tokens import DataError
+    from model import GPT
+    from train import init_weights_from
+    train(mqar_config(tmp_path / "a", max_steps=2, eval_interval=1000, ckpt_interval=1000), quiet=True)
+    saved = load_checkpoint(latest_checkpoint(str(tmp_path / "a")))["model"]
+    cfg = mqar_config(tmp_path / "b", max_steps=1, init_from=str(tmp_path / "a"))
+    cfg.model.pattern = ["g", "g"]
+    model = GPT(cfg.model)
+    capsys.readouterr()
+    init_weights_from(model, str(tmp_path / "a"), cfg, verbose=True)
+    assert capsys.readouterr().out == "" and all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    cfg.model.layers["g"].rope_theta = 500.0
+    init_weights_from(model, str(tmp_path / "a"), cfg, verbose=True)
+    assert capsys.readouterr().out == "note: init_from with changed model settings (same weights): " \
+        "model.layers.g.rope_theta 10000.0 in the checkpoint, 500.0 here\n"
+    train(cfg, quiet=True)
+    assert load_checkpoint(latest_checkpoint(str(tmp_path / "b")))["step"] == 1
+    wider = mqar_config(tmp_path / "c", init_from=str(tmp_path / "a"))
+    wider.model.mlp.hidden = 64
+    with pytest.raises(DataError, match="the checkpoint's model does not match this config .*mlp.hidden 128 in "
+                                        "the checkpoint, 64 here"):
+        init_weights_from(GPT(wider.model), str(tmp_path / "a"), wider)
+    os.makedirs(tmp_path / "c")
+    with pytest.raises(DataError, match=r"c: no checkpoint \(ckpt_\*.pt\) to initialise from"):
+        init_weights_from(GPT(wider.model), str(tmp_path / "c"), wider)
