@@ -4,13 +4,16 @@ Owns: requests and their scheduling (continuous batching: a finished request fre
 waiting one joins; chunked prefill: `prefill_chunk` prompt tokens per iteration, interleaved with one
 decode step of every running request), the block pools (global and windowed attention K/V, MLA latent
 rows, DSA indexer keys) with a block table per request, refcounted prefix sharing and copy-on-write,
-the freeing of blocks that left a window, the fixed-size state slots of delta-rule layers, and the KV
-policies of global attention layers (kv_policies.py).
+the freeing of blocks that left a window, the fixed-size state slots of delta-rule layers, the
+per-request slot caches of NSA and MFA layers, and the KV policies of global attention layers
+(kv_policies.py).
 
 The mixers' own code computes every projection. The engine hands each layer a cache view: paged
 layers get a `PagedView` whose `attend` / `attend_latent` (the hooks in model.py) write the new rows
 into the blocks and read them back through kernels.paged_attention; delta-rule layers get the rows
-of their requests' state slots, written back after the forward.
+of their requests' state slots, written back after the forward. NSA and MFA layers keep their own
+contiguous caches (model.new_cache) for max_batch requests, one row a slot; the engine runs such a
+mixer one request at a time on a LayerCache of views into its slot's row (`RowSlots`).
 
     engine = Engine(model, max_batch=16, prefill_chunk=64, block_size=16)
     done = engine.run([Request(prompt_ids, max_new_tokens=50, temperature=0), ...])
@@ -24,9 +27,9 @@ from typing import Optional
 import torch
 
 import kernels
-from model import MLA, Attention, DeltaNet, sample_token
+from model import MFA, MLA, NSA, Attention, DeltaNet, LayerCache, sample_token
 
-SUPPORTED = ("attn", "mla", "kda", "gdn", "linear")
+SUPPORTED = ("attn", "mla", "kda", "gdn", "linear", "nsa", "mfa")
 KV_POLICIES = ("full", "streaming", "h2o", "snapkv", "quest", "offload")
 
 
@@ -204,6 +207,27 @@ class SlotView:
         self.store["conv"][self.slots] = self.conv
 
 
+class RowSlots:
+    """An NSA / MFA layer's cache for one forward: row b is a LayerCache of views into the slot of
+    request b in the layer's own contiguous cache, so the mixer's in-place writes land in the slot."""
+
+    def __init__(self, store, slots):
+        self.store, self.slots = store, slots
+
+    def row(self, b):
+        s = self.slots[b]
+        return LayerCache(**{name: t[s:s + 1] for name, t in self.store.items()})
+
+
+def run_block(block, x, view, pos):
+    """block(x, view, pos), but an NSA / MFA mixer (one position per call) runs request by request."""
+    if not isinstance(view, RowSlots):
+        return block(x, view, pos)
+    h = block.norm1(x)
+    x = x + torch.cat([block.mixer(h[b:b + 1], view.row(b), int(pos[b])) for b in range(x.shape[0])])
+    return x + block.mlp(block.norm2(x))
+
+
 # ----------------------------------------------------------------------------------------------
 # The engine
 
@@ -227,15 +251,17 @@ class Engine:
                 self.policy = make_policy(kv_policy, kv_budget, self)
             except ValueError as e:
                 raise EngineError(str(e)) from None
-        self.groups, self.group_of, self.delta, self.evicting = {}, {}, [], set()
+        self.groups, self.group_of, self.delta, self.rows, self.evicting = {}, {}, [], [], set()
         for i, block in enumerate(model.blocks):
             m = block.mixer
             kind = getattr(m.cfg, "kind", type(m).__name__)
-            if kind not in SUPPORTED or not isinstance(m, (Attention, MLA, DeltaNet)):
+            if kind not in SUPPORTED or not isinstance(m, (Attention, MLA, DeltaNet, NSA, MFA)):
                 raise EngineError(f"layer {i}: mixer kind {kind!r} is not supported by the serving engine "
                                   f"(supported: {', '.join(SUPPORTED)})")
             if isinstance(m, DeltaNet):
                 self.delta.append(i)
+            elif isinstance(m, (NSA, MFA)):
+                self.rows.append(i)
             elif self.policy is not None and self.policy.bounded and self.policy.applies(i):
                 self.evicting.add(i)                 # kept keys live in the policy's own rows
             else:
@@ -243,7 +269,7 @@ class Engine:
                 self.groups.setdefault(window, Group(window)).layers.append(i)
                 self.group_of[i] = window
         # compute can skip a shared prefix only when every layer reads it from shared blocks
-        self.skip_shared = not self.delta and list(self.groups) == [None] and self.policy is None
+        self.skip_shared = not self.delta and not self.rows and list(self.groups) == [None] and self.policy is None
 
     # -- requests ------------------------------------------------------------------------------
     def check(self, r):
@@ -289,6 +315,10 @@ class Engine:
         for i in self.delta:
             c = self.model.blocks[i].mixer.new_cache(self.max_batch, 1, p.device, p.dtype)
             self.slot_store[i] = {"state": c.state, "conv": c.conv}
+        self.row_store = {}
+        for i in self.rows:  # NSA / MFA: the mixer's own caches, one row per slot, for the longest request
+            c = self.model.blocks[i].mixer.new_cache(self.max_batch, longest, p.device, p.dtype)
+            self.row_store[i] = {name: t for name, t in vars(c).items() if torch.is_tensor(t)}
         self.free_slots = list(range(self.max_batch - 1, -1, -1))
 
     def _fits(self, r):
@@ -302,9 +332,9 @@ class Engine:
 
     def _admit(self, r):
         r.slot = self.free_slots.pop()
-        for store in self.slot_store.values():
-            store["state"][r.slot].zero_()
-            store["conv"][r.slot].zero_()
+        for store in [*self.slot_store.values(), *self.row_store.values()]:
+            for t in store.values():
+                t[r.slot].zero_()
         r.tables = {key: [] for key in self.groups}
         self.reserved[id(r)] = {key: g.worst_blocks(len(r.prompt) + r.max_new_tokens, self.bs, self.chunk)
                                 for key, g in self.groups.items()}
@@ -382,6 +412,8 @@ class Engine:
         for i in range(len(model.blocks)):
             if i in self.slot_store:
                 views.append(SlotView(self.slot_store[i], slots))
+            elif i in self.row_store:
+                views.append(RowSlots(self.row_store[i], slots.tolist()))
             elif i in self.evicting:
                 views.append(self.policy.view(i, reqs, T))
             else:
@@ -391,7 +423,7 @@ class Engine:
         pos = torch.tensor([r.n_done for r in reqs])
         x = model.wte(idx)
         for block, view in zip(model.blocks, views):
-            x = block(x, view, pos)
+            x = run_block(block, x, view, pos)
         for view in views:
             if isinstance(view, SlotView):
                 view.commit()
@@ -464,8 +496,9 @@ class Engine:
                 for key, g in self.groups.items()}
 
     def peak_cache_bytes(self):
-        """Peak bytes of blocks in use (+ evicting policies' kept rows) plus the delta-rule slots."""
+        """Peak bytes of blocks in use (+ evicting policies' kept rows) plus the delta-rule and NSA / MFA slots."""
         per = self.block_bytes()
         paged = sum(g.pool.peak * per[key] for key, g in self.groups.items())
         paged += getattr(self.policy, "peak_bytes", 0)
-        return paged + sum(t.numel() * t.element_size() for s in self.slot_store.values() for t in s.values())
+        slots = [*self.slot_store.values(), *self.row_store.values()]
+        return paged + sum(t.numel() * t.element_size() for s in slots for t in s.values())
