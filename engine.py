@@ -3,17 +3,19 @@
 Owns: requests and their scheduling (continuous batching: a finished request frees its place and a
 waiting one joins; chunked prefill: `prefill_chunk` prompt tokens per iteration, interleaved with one
 decode step of every running request), the block pools (global and windowed attention K/V, MLA latent
-rows, DSA indexer keys) with a block table per request, refcounted prefix sharing and copy-on-write,
-the freeing of blocks that left a window, the fixed-size state slots of delta-rule layers, the
-per-request slot caches of NSA and MFA layers, and the KV policies of global attention layers
-(kv_policies.py).
+rows, DSA indexer keys, MFA's one key and one value head) with a block table per request, refcounted
+prefix sharing and copy-on-write, the freeing of blocks that left a window, the fixed-size state slots
+of delta-rule layers, the per-request slot caches of NSA layers, and the KV policies of global
+attention layers (kv_policies.py).
 
 The mixers' own code computes every projection. The engine hands each layer a cache view: paged
 layers get a `PagedView` whose `attend` / `attend_latent` (the hooks in model.py) write the new rows
 into the blocks and read them back through kernels.paged_attention; delta-rule layers get the rows
-of their requests' state slots, written back after the forward. NSA and MFA layers keep their own
-contiguous caches (model.new_cache) for max_batch requests, one row a slot; the engine runs such a
-mixer one request at a time on a LayerCache of views into its slot's row (`RowSlots`).
+of their requests' state slots, written back after the forward. MFA layers page their roped key and
+their value (MFA-KR: the un-roped key, so two rows a token here against one in its own cache). NSA
+layers keep their own contiguous caches (model.new_cache) for max_batch requests, one row a slot;
+the engine runs such a mixer one request at a time on a LayerCache of views into its slot's row
+(`RowSlots`).
 
     engine = Engine(model, max_batch=16, prefill_chunk=64, block_size=16)
     done = engine.run([Request(prompt_ids, max_new_tokens=50, temperature=0), ...])
@@ -157,7 +159,7 @@ class PagedView:
         flat[self.batch.write_idx] = new.reshape(-1, *pool.shape[2:])[self.batch.write_src].to(pool.dtype)
 
     def attend(self, mixer, q, k, v):
-        """Attention: q [B,T,Hq,D] (roped), new k, v [B,T,Hkv,D] -> o [B,T,Hq,D]."""
+        """Attention (and MFA: one kv head): q [B,T,Hq,D] (roped), new k, v [B,T,Hkv,D] -> o [B,T,Hq,D]."""
         self.write("k", k)
         self.write("v", v)
         if self.policy is not None:  # quest / offload: page bounds; a decode step reads the top pages
@@ -165,7 +167,8 @@ class PagedView:
             if q.shape[1] == 1:
                 return self.policy.read(self, mixer, q, "k", None)
         return kernels.paged_attention(q, self.store["k"], self.store["v"], self.batch.table, self.batch.seq_lens,
-                                       window=mixer.cfg.window, sinks=mixer.sinks, backend=mixer.backend)
+                                       window=getattr(mixer.cfg, "window", None), sinks=getattr(mixer, "sinks", None),
+                                       backend=mixer.backend)
 
     def attend_latent(self, mixer, q_lat, latent, iq, iw, ik):
         """MLA absorbed: q_lat [B,T,H,d_c+d_rope], new rows latent [B,T,d_c+d_rope] (+ DSA iq, iw, ik)."""
@@ -208,7 +211,7 @@ class SlotView:
 
 
 class RowSlots:
-    """An NSA / MFA layer's cache for one forward: row b is a LayerCache of views into the slot of
+    """An NSA layer's cache for one forward: row b is a LayerCache of views into the slot of
     request b in the layer's own contiguous cache, so the mixer's in-place writes land in the slot."""
 
     def __init__(self, store, slots):
@@ -220,7 +223,7 @@ class RowSlots:
 
 
 def run_block(block, x, view, pos):
-    """block(x, view, pos), but an NSA / MFA mixer (one position per call) runs request by request."""
+    """block(x, view, pos), but an NSA mixer (one position per call) runs request by request."""
     if not isinstance(view, RowSlots):
         return block(x, view, pos)
     h = block.norm1(x)
@@ -260,7 +263,7 @@ class Engine:
                                   f"(supported: {', '.join(SUPPORTED)})")
             if isinstance(m, DeltaNet):
                 self.delta.append(i)
-            elif isinstance(m, (NSA, MFA)):
+            elif isinstance(m, NSA):
                 self.rows.append(i)
             elif self.policy is not None and self.policy.bounded and self.policy.applies(i):
                 self.evicting.add(i)                 # kept keys live in the policy's own rows
@@ -300,8 +303,8 @@ class Engine:
                 paged = self.policy.storage if self.policy is not None and self.policy.applies(i) else None
                 new = (lambda shape, name: p.new_zeros(shape)) if paged is None else \
                     (lambda shape, name: paged(shape, p.dtype, f"layer{i}_{name}"))
-                if isinstance(m, Attention):
-                    shape = (n, self.bs, m.cfg.n_kv_heads, m.cfg.head_dim)
+                if isinstance(m, (Attention, MFA)):
+                    shape = (n, self.bs, getattr(m.cfg, "n_kv_heads", 1), m.cfg.head_dim)
                     g.store[i] = {"k": new(shape, "k"), "v": new(shape, "v")}
                 else:
                     g.store[i] = {"kv": new((n, self.bs, 1, m.cfg.kv_lora_rank + m.cfg.rope_dim), "kv")}
@@ -316,7 +319,7 @@ class Engine:
             c = self.model.blocks[i].mixer.new_cache(self.max_batch, 1, p.device, p.dtype)
             self.slot_store[i] = {"state": c.state, "conv": c.conv}
         self.row_store = {}
-        for i in self.rows:  # NSA / MFA: the mixer's own caches, one row per slot, for the longest request
+        for i in self.rows:  # NSA: the mixer's own caches, one row per slot, for the longest request
             c = self.model.blocks[i].mixer.new_cache(self.max_batch, longest, p.device, p.dtype)
             self.row_store[i] = {name: t for name, t in vars(c).items() if torch.is_tensor(t)}
         self.free_slots = list(range(self.max_batch - 1, -1, -1))
@@ -496,7 +499,7 @@ class Engine:
                 for key, g in self.groups.items()}
 
     def peak_cache_bytes(self):
-        """Peak bytes of blocks in use (+ evicting policies' kept rows) plus the delta-rule and NSA / MFA slots."""
+        """Peak bytes of blocks in use (+ evicting policies' kept rows) plus the delta-rule and NSA slots."""
         per = self.block_bytes()
         paged = sum(g.pool.peak * per[key] for key, g in self.groups.items())
         paged += getattr(self.policy, "peak_bytes", 0)
