@@ -3,14 +3,19 @@
 Owns: requests and their scheduling (continuous batching: a finished request frees its place and a
 waiting one joins; chunked prefill: `prefill_chunk` prompt tokens per iteration, interleaved with one
 decode step of every running request), the block pools (global and windowed attention K/V, MLA latent
-rows, DSA indexer keys) with a block table per request, refcounted prefix sharing and copy-on-write,
-the freeing of blocks that left a window, the fixed-size state slots of delta-rule layers, and the KV
-policies of global attention layers (kv_policies.py).
+rows, DSA indexer keys, MFA's one key and one value head) with a block table per request, refcounted
+prefix sharing and copy-on-write, the freeing of blocks that left a window, the fixed-size state slots
+of delta-rule layers, the per-request slot caches of NSA layers, and the KV policies of global
+attention layers (kv_policies.py).
 
 The mixers' own code computes every projection. The engine hands each layer a cache view: paged
 layers get a `PagedView` whose `attend` / `attend_latent` (the hooks in model.py) write the new rows
 into the blocks and read them back through kernels.paged_attention; delta-rule layers get the rows
-of their requests' state slots, written back after the forward.
+of their requests' state slots, written back after the forward. MFA layers page their roped key and
+their value (MFA-KR: the un-roped key, so two rows a token here against one in its own cache). NSA
+layers keep their own contiguous caches (model.new_cache) for max_batch requests, one row a slot;
+the engine runs such a mixer one request at a time on a LayerCache of views into its slot's row
+(`RowSlots`).
 
     engine = Engine(model, max_batch=16, prefill_chunk=64, block_size=16)
     done = engine.run([Request(prompt_ids, max_new_tokens=50, temperature=0), ...])
@@ -24,9 +29,9 @@ from typing import Optional
 import torch
 
 import kernels
-from model import MLA, Attention, DeltaNet, sample_token
+from model import MFA, MLA, NSA, Attention, DeltaNet, LayerCache, sample_token
 
-SUPPORTED = ("attn", "mla", "kda", "gdn", "linear")
+SUPPORTED = ("attn", "mla", "kda", "gdn", "linear", "nsa", "mfa")
 KV_POLICIES = ("full", "streaming", "h2o", "snapkv", "quest", "offload")
 
 
@@ -154,7 +159,7 @@ class PagedView:
         flat[self.batch.write_idx] = new.reshape(-1, *pool.shape[2:])[self.batch.write_src].to(pool.dtype)
 
     def attend(self, mixer, q, k, v):
-        """Attention: q [B,T,Hq,D] (roped), new k, v [B,T,Hkv,D] -> o [B,T,Hq,D]."""
+        """Attention (and MFA: one kv head): q [B,T,Hq,D] (roped), new k, v [B,T,Hkv,D] -> o [B,T,Hq,D]."""
         self.write("k", k)
         self.write("v", v)
         if self.policy is not None:  # quest / offload: page bounds; a decode step reads the top pages
@@ -162,7 +167,8 @@ class PagedView:
             if q.shape[1] == 1:
                 return self.policy.read(self, mixer, q, "k", None)
         return kernels.paged_attention(q, self.store["k"], self.store["v"], self.batch.table, self.batch.seq_lens,
-                                       window=mixer.cfg.window, sinks=mixer.sinks, backend=mixer.backend)
+                                       window=getattr(mixer.cfg, "window", None), sinks=getattr(mixer, "sinks", None),
+                                       backend=mixer.backend)
 
     def attend_latent(self, mixer, q_lat, latent, iq, iw, ik):
         """MLA absorbed: q_lat [B,T,H,d_c+d_rope], new rows latent [B,T,d_c+d_rope] (+ DSA iq, iw, ik)."""
@@ -204,6 +210,27 @@ class SlotView:
         self.store["conv"][self.slots] = self.conv
 
 
+class RowSlots:
+    """An NSA layer's cache for one forward: row b is a LayerCache of views into the slot of
+    request b in the layer's own contiguous cache, so the mixer's in-place writes land in the slot."""
+
+    def __init__(self, store, slots):
+        self.store, self.slots = store, slots
+
+    def row(self, b):
+        s = self.slots[b]
+        return LayerCache(**{name: t[s:s + 1] for name, t in self.store.items()})
+
+
+def run_block(block, x, view, pos):
+    """block(x, view, pos), but an NSA mixer (one position per call) runs request by request."""
+    if not isinstance(view, RowSlots):
+        return block(x, view, pos)
+    h = block.norm1(x)
+    x = x + torch.cat([block.mixer(h[b:b + 1], view.row(b), int(pos[b])) for b in range(x.shape[0])])
+    return x + block.mlp(block.norm2(x))
+
+
 # ----------------------------------------------------------------------------------------------
 # The engine
 
@@ -227,15 +254,17 @@ class Engine:
                 self.policy = make_policy(kv_policy, kv_budget, self)
             except ValueError as e:
                 raise EngineError(str(e)) from None
-        self.groups, self.group_of, self.delta, self.evicting = {}, {}, [], set()
+        self.groups, self.group_of, self.delta, self.rows, self.evicting = {}, {}, [], [], set()
         for i, block in enumerate(model.blocks):
             m = block.mixer
             kind = getattr(m.cfg, "kind", type(m).__name__)
-            if kind not in SUPPORTED or not isinstance(m, (Attention, MLA, DeltaNet)):
+            if kind not in SUPPORTED or not isinstance(m, (Attention, MLA, DeltaNet, NSA, MFA)):
                 raise EngineError(f"layer {i}: mixer kind {kind!r} is not supported by the serving engine "
                                   f"(supported: {', '.join(SUPPORTED)})")
             if isinstance(m, DeltaNet):
                 self.delta.append(i)
+            elif isinstance(m, NSA):
+                self.rows.append(i)
             elif self.policy is not None and self.policy.bounded and self.policy.applies(i):
                 self.evicting.add(i)                 # kept keys live in the policy's own rows
             else:
@@ -243,7 +272,7 @@ class Engine:
                 self.groups.setdefault(window, Group(window)).layers.append(i)
                 self.group_of[i] = window
         # compute can skip a shared prefix only when every layer reads it from shared blocks
-        self.skip_shared = not self.delta and list(self.groups) == [None] and self.policy is None
+        self.skip_shared = not self.delta and not self.rows and list(self.groups) == [None] and self.policy is None
 
     # -- requests ------------------------------------------------------------------------------
     def check(self, r):
@@ -274,8 +303,8 @@ class Engine:
                 paged = self.policy.storage if self.policy is not None and self.policy.applies(i) else None
                 new = (lambda shape, name: p.new_zeros(shape)) if paged is None else \
                     (lambda shape, name: paged(shape, p.dtype, f"layer{i}_{name}"))
-                if isinstance(m, Attention):
-                    shape = (n, self.bs, m.cfg.n_kv_heads, m.cfg.head_dim)
+                if isinstance(m, (Attention, MFA)):
+                    shape = (n, self.bs, getattr(m.cfg, "n_kv_heads", 1), m.cfg.head_dim)
                     g.store[i] = {"k": new(shape, "k"), "v": new(shape, "v")}
                 else:
                     g.store[i] = {"kv": new((n, self.bs, 1, m.cfg.kv_lora_rank + m.cfg.rope_dim), "kv")}
@@ -289,6 +318,10 @@ class Engine:
         for i in self.delta:
             c = self.model.blocks[i].mixer.new_cache(self.max_batch, 1, p.device, p.dtype)
             self.slot_store[i] = {"state": c.state, "conv": c.conv}
+        self.row_store = {}
+        for i in self.rows:  # NSA: the mixer's own caches, one row per slot, for the longest request
+            c = self.model.blocks[i].mixer.new_cache(self.max_batch, longest, p.device, p.dtype)
+            self.row_store[i] = {name: t for name, t in vars(c).items() if torch.is_tensor(t)}
         self.free_slots = list(range(self.max_batch - 1, -1, -1))
 
     def _fits(self, r):
@@ -302,9 +335,9 @@ class Engine:
 
     def _admit(self, r):
         r.slot = self.free_slots.pop()
-        for store in self.slot_store.values():
-            store["state"][r.slot].zero_()
-            store["conv"][r.slot].zero_()
+        for store in [*self.slot_store.values(), *self.row_store.values()]:
+            for t in store.values():
+                t[r.slot].zero_()
         r.tables = {key: [] for key in self.groups}
         self.reserved[id(r)] = {key: g.worst_blocks(len(r.prompt) + r.max_new_tokens, self.bs, self.chunk)
                                 for key, g in self.groups.items()}
@@ -382,6 +415,8 @@ class Engine:
         for i in range(len(model.blocks)):
             if i in self.slot_store:
                 views.append(SlotView(self.slot_store[i], slots))
+            elif i in self.row_store:
+                views.append(RowSlots(self.row_store[i], slots.tolist()))
             elif i in self.evicting:
                 views.append(self.policy.view(i, reqs, T))
             else:
@@ -391,7 +426,7 @@ class Engine:
         pos = torch.tensor([r.n_done for r in reqs])
         x = model.wte(idx)
         for block, view in zip(model.blocks, views):
-            x = block(x, view, pos)
+            x = run_block(block, x, view, pos)
         for view in views:
             if isinstance(view, SlotView):
                 view.commit()
@@ -464,8 +499,9 @@ class Engine:
                 for key, g in self.groups.items()}
 
     def peak_cache_bytes(self):
-        """Peak bytes of blocks in use (+ evicting policies' kept rows) plus the delta-rule slots."""
+        """Peak bytes of blocks in use (+ evicting policies' kept rows) plus the delta-rule and NSA slots."""
         per = self.block_bytes()
         paged = sum(g.pool.peak * per[key] for key, g in self.groups.items())
         paged += getattr(self.policy, "peak_bytes", 0)
-        return paged + sum(t.numel() * t.element_size() for s in self.slot_store.values() for t in s.values())
+        slots = [*self.slot_store.values(), *self.row_store.values()]
+        return paged + sum(t.numel() * t.element_size() for s in slots for t in s.values())

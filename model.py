@@ -1096,17 +1096,24 @@ class MFA(nn.Module):
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, H, C)
         k = self.wk(x)                                            # [B, T, C]
         v = k if c.key_reuse else self.wv(x)                      # [B, T, C]
-        if cache is not None:
-            k, v = self.update_cache(cache, k, v, pos)            # every key the new queries see
-        S = k.shape[1]
-        k_rot = k[:, :, None]                                     # [B, S, 1, C]
-        if c.rope:
-            cos, sin = rope_angles(torch.arange(S, device=x.device), C, c.rope_theta)
-            q = apply_rope(q, cos[S - T:], sin[S - T:])
-            k_rot = apply_rope(k_rot, cos, sin)
-        # one kv head broadcast to all H heads as a stride-0 view (SDPA's fused path, see MLA)
-        o = kernels.attention(q, k_rot.expand(B, S, H, C), v[:, :, None].expand(B, S, H, C),
-                              backend=self.backend)                   # [B, T, H, C]
+        if cache is not None and hasattr(cache, "attend"):  # a paged cache (engine.py): roped keys in blocks
+            k_rot = k[:, :, None]
+            if c.rope:
+                cos, sin = rope_angles(token_positions(x, pos, cache, None), C, c.rope_theta)
+                q, k_rot = apply_rope(q, cos, sin), apply_rope(k_rot, cos, sin)
+            o = cache.attend(self, q, k_rot, v[:, :, None])                    # [B, T, H, C]
+        else:
+            if cache is not None:
+                k, v = self.update_cache(cache, k, v, pos)        # every key the new queries see
+            S = k.shape[1]
+            k_rot = k[:, :, None]                                 # [B, S, 1, C]
+            if c.rope:
+                cos, sin = rope_angles(torch.arange(S, device=x.device), C, c.rope_theta)
+                q = apply_rope(q, cos[S - T:], sin[S - T:])
+                k_rot = apply_rope(k_rot, cos, sin)
+            # one kv head broadcast to all H heads as a stride-0 view (SDPA's fused path, see MLA)
+            o = kernels.attention(q, k_rot.expand(B, S, H, C), v[:, :, None].expand(B, S, H, C),
+                                  backend=self.backend)               # [B, T, H, C]
         if c.key_reuse:
             o = o + self.kr_alpha * self.kr_n(o)
         return self.wo(o.reshape(B, T, H * C))

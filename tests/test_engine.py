@@ -23,6 +23,12 @@ KINDS = {
     "attn_gated": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "output_gate": True, "rope_fraction": 0.5,
                    "bias": True},
     "gdn_grouped": {"kind": "gdn", "n_heads": 2, "n_v_heads": 4, "head_dim": 8},
+    # NSA: per-request slot caches (sparse selection over 4-token blocks, 2-stride compression, window 6);
+    # MFA: one key and one value head in the paged pool
+    "nsa": {"kind": "nsa", "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "cmp_block": 4, "cmp_stride": 2,
+            "sel_block": 4, "n_sel": 3, "window": 6},
+    "mfa": {"kind": "mfa", "n_heads": 4, "head_dim": 16, "share_q_dim": 12},
+    "mfa_kr": {"kind": "mfa", "n_heads": 4, "head_dim": 16, "share_q_dim": 12, "key_reuse": True},
 }
 SHAPES = [(5, 9), (37, 4), (1, 12), (20, 20), (16, 3), (9, 1)]  # (prompt, new tokens): a mix
 
@@ -70,11 +76,11 @@ def test_window_layers_free_blocks():
     assert engine.groups[7].pool.peak <= 4
 
 
-@pytest.mark.parametrize("pattern", [["g"], ["kda", "g"]])
+@pytest.mark.parametrize("pattern", [["g"], ["kda", "g"], ["mfa", "g"]])
 def test_prefix_sharing(pattern):
     """8 requests, a 21-token common prefix (5 full blocks of 4 + 1), and two identical prompts (a
     fork: they share the partial last block, copied on the first divergent write)."""
-    model = make_model({"g": GLOBAL, "kda": KINDS["kda"]}, pattern=pattern, n_layer=2)
+    model = make_model({"g": GLOBAL, "kda": KINDS["kda"], "mfa": KINDS["mfa_kr"]}, pattern=pattern, n_layer=2)
     prefix = torch.randint(0, 61, (21,), generator=torch.Generator().manual_seed(5)).tolist()
     shapes = [(3, 6), (0, 5), (9, 8), (5, 7), (1, 3), (12, 5)]
     allocs = {}
@@ -98,8 +104,8 @@ def test_prefix_sharing(pattern):
 
 def test_unsupported_and_bad_requests():
     model = make_model({"g": GLOBAL}, n_layer=1)
-    model.blocks[0].mixer.cfg.kind = "nsa"
-    with pytest.raises(EngineError, match="layer 0: mixer kind 'nsa' is not supported"):
+    model.blocks[0].mixer.cfg.kind = "mamba"
+    with pytest.raises(EngineError, match="layer 0: mixer kind 'mamba' is not supported"):
         Engine(model)
     model.blocks[0].mixer.cfg.kind = "attn"
     engine = Engine(model, max_batch=2, max_len=20, keep_logits=True)
