@@ -32,8 +32,8 @@ Everything is counted from the math, per token, batch 1, no kernel overheads:
 Cache bytes (SPEC 6): attention L_eff*2*Hkv*D (L_eff = min(L, W)); MLA L*(d_c + rope) (+ L*d_I for
 the DSA indexer); delta rule H*K*V*4 + conv state (conv_size-1)*(2HK+HV), independent of L;
 MFA L*2*C (L*C with key reuse), whatever the head count; NSA 2*Hkv*D * (L raw + n_cmp(L) compressed +
-min(L, w) window ring + min(L, l-1) pending compression rows), n_cmp(L) = max(0, floor((L-l)/d) + 1)
-(SPEC 6 leaves out the l-1 pending rows: the next compressed blocks' inputs, which NSA must keep).
+min(L, w) window ring + min(L, l-1) pending compression rows: the next compressed blocks' inputs),
+n_cmp(L) = max(0, floor((L-l)/d) + 1). SPEC 6 writes every NSA and MFA formula out.
 """
 import argparse
 import os

@@ -1057,12 +1057,6 @@ class MFAConfig:
         positive(f"{path}.share_q_dim", self.share_q_dim)
 
 
-def check_no_packing(kind, cu_seqlens):
-    if cu_seqlens is not None:
-        raise ValueError(f"{kind}: packed documents (cu_seqlens) are not supported by this mixer yet; "
-                         f"train it on unpacked sequences")
-
-
 class MFA(nn.Module):
     """q_h = RMSNorm(x S_Q) Q_h (H heads of C = head_dim); k = x S_K, v = x S_V shared by every head;
     RoPE on q and k; out = W_o [o_1 .. o_H]. MFA-KR: no S_V, v = k + alpha * (N k) (the paper's
@@ -1088,11 +1082,12 @@ class MFA(nn.Module):
         self.wo.residual_out = True
 
     def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):  # cp: refused at config time
-        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path."""
-        check_no_packing("mfa", cu_seqlens)
+        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path.
+        cu_seqlens: packed documents (B == 1): positions restart, a query sees only its document."""
         B, T, _ = x.shape
         c = self.cfg
         H, C = c.n_heads, c.head_dim
+        doc_pos = None if cu_seqlens is None else token_positions(x, pos, cache, cu_seqlens)  # refuses a cache
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, H, C)
         k = self.wk(x)                                            # [B, T, C]
         v = k if c.key_reuse else self.wv(x)                      # [B, T, C]
@@ -1104,16 +1099,17 @@ class MFA(nn.Module):
             o = cache.attend(self, q, k_rot, v[:, :, None])                    # [B, T, H, C]
         else:
             if cache is not None:
-                k, v = self.update_cache(cache, k, v, pos)        # every key the new queries see
+                k, v = self.update_cache(cache, k, v, pos)            # every key the new queries see
             S = k.shape[1]
-            k_rot = k[:, :, None]                                 # [B, S, 1, C]
+            k_rot = k[:, :, None]                                     # [B, S, 1, C]
             if c.rope:
-                cos, sin = rope_angles(torch.arange(S, device=x.device), C, c.rope_theta)
+                k_pos = torch.arange(S, device=x.device) if doc_pos is None else doc_pos   # packed: S == T
+                cos, sin = rope_angles(k_pos, C, c.rope_theta)
                 q = apply_rope(q, cos[S - T:], sin[S - T:])
                 k_rot = apply_rope(k_rot, cos, sin)
             # one kv head broadcast to all H heads as a stride-0 view (SDPA's fused path, see MLA)
             o = kernels.attention(q, k_rot.expand(B, S, H, C), v[:, :, None].expand(B, S, H, C),
-                                  backend=self.backend)               # [B, T, H, C]
+                                  backend=self.backend, cu_seqlens=cu_seqlens)   # [B, T, H, C]
         if c.key_reuse:
             o = o + self.kr_alpha * self.kr_n(o)
         return self.wo(o.reshape(B, T, H * C))
@@ -1218,34 +1214,58 @@ class NSA(nn.Module):
         nn.init.normal_(self.cmp_pos, 0.0, 0.02)
 
     def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):  # cp: refused at config time
-        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path."""
-        check_no_packing("nsa", cu_seqlens)
+        """x [B, T, d_model] at absolute positions pos .. pos+T-1; cache None = parallel path.
+        cu_seqlens: packed documents (B == 1): every branch stays inside the query's document."""
         B, T, _ = x.shape
-        o_cmp, o_slc, o_win = self.branches(x, cache, pos)       # [B, T, Hq, D] each
+        o_cmp, o_slc, o_win = self.branches(x, cache, pos, cu_seqlens)   # [B, T, Hq, D] each
         g = torch.sigmoid(self.gate(x)).view(B, T, self.cfg.n_heads, 3, 1)
         o = g[:, :, :, 0] * o_cmp + g[:, :, :, 1] * o_slc + g[:, :, :, 2] * o_win
         return self.wo(o.reshape(B, T, -1))
 
-    def branches(self, x, cache=None, pos=0):
+    def branches(self, x, cache=None, pos=0, cu_seqlens=None):
         """The three branch outputs o_cmp, o_slc, o_win [B, T, Hq, D] before the gates."""
         B, T, _ = x.shape
         c = self.cfg
+        positions = token_positions(x, pos, cache, cu_seqlens)      # restart per document; refuses a cache
         q = self.wq(x).view(B, T, c.n_heads, c.head_dim)
         kc, vc, ks, vs, kw, vw = self.wkv(x).view(B, T, 6, c.n_kv_heads, c.head_dim).unbind(2)
         q_rot = q
         if c.rope:
-            cos, sin = rope_angles(torch.arange(pos, pos + T, device=x.device), c.head_dim, c.rope_theta)
+            cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
             q_rot, ks, kw = apply_rope(q, cos, sin), apply_rope(ks, cos, sin), apply_rope(kw, cos, sin)
-        if cache is None:
-            ck, cv = self.compress(kc, vc)
+        if cu_seqlens is not None:
+            o_cmp, o_slc = self.packed_cmp_slc(q, q_rot, kc, vc, ks, vs, cu_seqlens)
         else:
-            ck, cv, ks, vs, kw, vw = self.update_cache(cache, kc, vc, ks, vs, kw, vw, pos)
+            if cache is None:
+                ck, cv = self.compress(kc, vc)
+            else:
+                ck, cv, ks, vs, kw, vw = self.update_cache(cache, kc, vc, ks, vs, kw, vw, pos)
+            o_cmp, o_slc = self.cmp_slc(q, q_rot, ck, cv, ks, vs, pos)
+        o_win = kernels.attention(q_rot, kw, vw, window=c.window, scale=self.scale, backend=self.backend,
+                                  cu_seqlens=cu_seqlens)
+        return o_cmp, o_slc, o_win
+
+    def cmp_slc(self, q, q_rot, ck, cv, ks, vs, pos):
+        """The compression and selection branches of queries at pos .. pos+T-1 over compressed K/V
+        ck, cv and the raw selection K/V ks, vs of positions 0 .. pos+T-1."""
+        T = q.shape[1]
         o_cmp = self.compressed_attention(q, ck, cv, pos)
         blocks = self.select_blocks(q, ck, pos, pos + T)                 # [B, T, Hkv, n]
-        o_slc = kernels.block_sparse_attention(q_rot, ks, vs, blocks, c.sel_block, scale=self.scale,
+        o_slc = kernels.block_sparse_attention(q_rot, ks, vs, blocks, self.cfg.sel_block, scale=self.scale,
                                                backend=self.backend)
-        o_win = kernels.attention(q_rot, kw, vw, window=c.window, scale=self.scale, backend=self.backend)
-        return o_cmp, o_slc, o_win
+        return o_cmp, o_slc
+
+    def packed_cmp_slc(self, q, q_rot, kc, vc, ks, vs, cu_seqlens):
+        """Packed documents (B == 1): the compression and selection branches run document by document,
+        a plain loop (simple and exact; one set of kernel launches per document): compressed blocks
+        start at the document's first token and never span two documents, selection blocks are counted
+        from the document's start and hold only its keys. The window branch is packed (cu_seqlens)."""
+        bounds = [(a, b) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if b > a]
+        outs = []
+        for a, b in bounds:
+            ck, cv = self.compress(kc[:, a:b], vc[:, a:b])
+            outs.append(self.cmp_slc(q[:, a:b], q_rot[:, a:b], ck, cv, ks[:, a:b], vs[:, a:b], 0))
+        return (torch.cat(o, dim=1) for o in zip(*outs))
 
     def compress(self, k, v):
         """Raw rows k, v [B, R, Hkv, D] -> one key and value per complete block of l at stride d,

@@ -288,10 +288,14 @@ def test_step_equals_forward_in_a_hybrid(other):
 
 
 @pytest.mark.parametrize("spec", [NSA, MFA])
-def test_packed_documents_are_refused_clearly(spec):
+def test_packed_documents_with_a_cache_are_refused(spec):
+    """Packed documents are for the parallel path (tests/test_varlen.py: packed == separate); with a
+    cache: one clear error, the cache untouched."""
     mixer = one_mixer(spec)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        mixer(torch.randn(1, 10, D_MODEL), cu_seqlens=torch.tensor([0, 4, 10]))
+    cache = mixer.new_cache(1, 10, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="cache=None"):
+        mixer(torch.randn(1, 10, D_MODEL), cache, 0, cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
+    assert all(not t.any() for t in vars(cache).values() if torch.is_tensor(t))
 
 
 @pytest.mark.parametrize("spec,key,message", [

@@ -122,6 +122,12 @@ MODELS = {
     "kda": {"kind": "kda", "n_heads": 2, "head_dim": 16},
     "gdn": {"kind": "gdn", "n_heads": 2, "head_dim": 16},
     "linear": {"kind": "linear", "n_heads": 2, "head_dim": 16},
+    # NSA with small blocks: documents of 63..130 tokens hold many compressed and selection blocks, and
+    # n_sel = 5 leaves 2 blocks to the importance choice (block 0 and 2 local are forced)
+    "nsa": {"kind": "nsa", "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "cmp_block": 4, "cmp_stride": 2,
+            "sel_block": 8, "n_sel": 5, "window": 6},
+    "mfa": {"kind": "mfa", "n_heads": 4, "head_dim": 16, "share_q_dim": 12},
+    "mfa_kr": {"kind": "mfa", "n_heads": 4, "head_dim": 16, "share_q_dim": 12, "key_reuse": True},
 }
 
 
@@ -166,7 +172,7 @@ def test_model_packed_equals_separate_torch(name):
     check_model_packed_equals_separate(model, LENS)
 
 
-@pytest.mark.parametrize("name", ["attn_window_sinks", "kda"])
+@pytest.mark.parametrize("name", ["attn_window_sinks", "kda", "nsa"])
 def test_reversed_order_same_documents(name):
     model = make_model({name: MODELS[name]}, n_layer=2, backend="torch")
     N = sum(LENS)
@@ -244,7 +250,7 @@ def test_delta_rule_op_triton(per_channel, lens, H):
 
 
 @pytest.mark.parametrize("name, lens", [("attn_window_sinks", SMALL_LENS), ("kda", SMALL_LENS)] + [
-    pytest.param(n, LENS, marks=SLOW) for n in ("attn_global_gqa", "attn_window_sinks", "kda", "gdn")])
+    pytest.param(n, LENS, marks=SLOW) for n in ("attn_global_gqa", "attn_window_sinks", "kda", "gdn", "nsa", "mfa")])
 def test_model_packed_equals_separate_triton(name, lens):
     """Packed on the Triton backend == separate documents on the torch backend (same weights)."""
     packed = make_model({name: MODELS[name]}, n_layer=1, backend="triton").train()
