@@ -30,7 +30,9 @@ A sweep file (YAML):
 Each run trains into <out_dir>/<variant>-s<seed>/ (with lrs: <variant>-lr<lr>-s<seed>/) and ends
 with result.json, written atomically; a run whose loss diverges (train.max_bad_steps) is recorded as
 diverged and loses the lr selection. `--jobs N` trains N runs at once in separate processes (each
-with `threads` torch threads) and prints a progress line as each run ends. A rerun skips runs with a result.json and resumes half-finished runs from their last
+with `threads` torch threads) and prints a progress line as each run ends. SIGTERM / SIGUSR1 /
+Ctrl-C: the running runs finish their step and save, no result is recorded for them, no further run
+starts, exit 0. A rerun skips runs with a result.json and resumes half-finished runs from their last
 checkpoint (train.py's resume), so an interrupted sweep continues where it stopped. A run being
 trained by another process (`--only` subsets that overlap, or parallel jobs) is skipped. The report
 is <out_dir>/results.md (one row per variant at its best lr: seeds averaged, the selection metric as
@@ -59,6 +61,11 @@ SWEEP_KEYS = {"base": "path of the base config", "out_dir": "sweep folder", "see
               "description": "text", "lrs": "list of peak learning rates (train.lr), one run each",
               "stop_at": "early-stop targets, e.g. {val_acc: 0.99}", "select": "metric picking the best lr"}
 CONTEXTS = cost.CONTEXTS
+
+
+class Interrupted(Exception):
+    """A run stopped by SIGTERM / SIGUSR1 / Ctrl-C: its checkpoint is kept, no result is recorded and
+    the sweep stops; the same command resumes it."""
 
 
 class SweepError(ValueError):
@@ -272,13 +279,13 @@ def _lock(folder):
 def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
     import torch
     from sample import load_model
-    from train import latest_checkpoint, train
+    from train import checkpoint_step, latest_checkpoint, target_reached, train
     ckpt, name = latest_checkpoint(folder), os.path.basename(folder)
     log(f"[{name}] " + (f"resuming from {os.path.basename(ckpt)}" if ckpt else "training") +
         f" ({' '.join(sweep['variants'][variant]) or 'base config'})")
     t0 = time.time()
     try:
-        train(cfg, resume=True if ckpt else None, quiet=True, stop_at=stop_at)
+        last_eval = train(cfg, resume=True if ckpt else None, quiet=True, stop_at=stop_at)
     except FloatingPointError as e:  # the lr is too high: a result that loses the lr selection
         result = {"variant": variant, "seed": seed, "lr": cfg.train.lr, "overrides": sweep["variants"][variant],
                   "diverged": str(e), "final": {}, "evals": {}, "train_time_s": time.time() - t0}
@@ -287,6 +294,10 @@ def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
         return result
     if stop_at is not None and stop_at < cfg.train.max_steps:
         return None
+    step = checkpoint_step(latest_checkpoint(folder))
+    if step < cfg.train.max_steps and not target_reached(last_eval or {}, cfg.train.stop_at):
+        raise Interrupted(f"[{name}] stopped by a signal at step {step} of {cfg.train.max_steps}; its checkpoint "
+                          f"is kept and running the same command again resumes it")
     model, _ = load_model(latest_checkpoint(folder))
     metrics = read_metrics(folder)
     train_rows = [r for r in metrics if "loss" in r]
@@ -355,9 +366,14 @@ def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1):
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
         futures = {pool.submit(_job, sweep, v, lr, s): (v, lr, s) for v, lr, s in todo}
-        for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-            result, error = fut.result()
-            progress(i, futures[fut], result, error)
+        try:
+            for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+                result, error = fut.result()
+                progress(i, futures[fut], result, error)
+        except Interrupted:  # the workers got the signal too: start no queued run
+            for fut in futures:
+                fut.cancel()
+            raise
 
 
 # ----------------------------------------------------------------------------------------------
@@ -622,6 +638,9 @@ def main(argv=None):
     except (SweepError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:  # like train.py: the step finished, the checkpoint is saved, exit 0
+        print(f"stopped: {e}", flush=True)
+        return 0
     print(f"report: {path}" if path else "no finished runs yet")
     return 0
 
