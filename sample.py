@@ -129,6 +129,7 @@ def main(argv=None):
     try:
         from train import pick_device
         args.device = pick_device(args.device, "--device")
+        check_mode_args(args, p)
         args.prompt = read_prompt(args)
         model, cfg = load_model(args.ckpt, args.device)
         encode, decode = make_codec(cfg, args.tokenizer)
@@ -182,8 +183,28 @@ def add_serve_args(p):
     g.add_argument("--kv_budget", type=int, default=None, help="tokens kept / read per global layer (not for full)")
 
 
+SERVE_ONLY = ("output", "max_batch", "prefill_chunk", "block_size", "kv_policy", "kv_budget")
+
+
+def check_mode_args(args, parser):
+    """Options of one mode given in the other are refused rather than silently ignored (an --output
+    that is never written, samples never drawn)."""
+    given = lambda name: getattr(args, name) != parser.get_default(name)
+    if not args.prompts_file:
+        for name in SERVE_ONLY:
+            if given(name):
+                raise ConfigError(f"--{name}: only with --prompts_file (one --prompt streams to stdout)")
+        return
+    for name in ("prompt", "prompt_file", "num_samples"):
+        if given(name):
+            raise ConfigError(f"--{name}: not with --prompts_file (each of its lines is one request, one completion)")
+
+
 def check_serve_args(args):
+    from data.tokens import check_writable
     from engine import KV_POLICIES
+    if args.output:
+        check_writable(args.output, "--output")
     for name in ("max_batch", "prefill_chunk", "block_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name}: must be an integer >= 1 (got {getattr(args, name)})")
@@ -191,6 +212,8 @@ def check_serve_args(args):
         raise ConfigError(f"--kv_policy: must be one of {', '.join(KV_POLICIES)} (got {args.kv_policy!r})")
     if args.kv_policy != "full" and (args.kv_budget is None or args.kv_budget < 1):
         raise ConfigError(f"--kv_budget: an integer >= 1 is needed with --kv_policy {args.kv_policy} (got {args.kv_budget})")
+    if args.kv_policy == "full" and args.kv_budget is not None:
+        raise ConfigError("--kv_budget: not with --kv_policy full (it keeps every token); pick a --kv_policy")
 
 
 def read_requests(path, encode, args):
@@ -248,7 +271,11 @@ def serve_file(args, model, encode, decode):
     lines = [json.dumps({**obj, "completion": decode(r.out)}, ensure_ascii=False) + "\n"
              for r, obj in zip(reqs, objs) if r.error is None]
     if args.output:
-        atomic_write(args.output, lambda f: f.writelines(lines), mode="w")
+        try:
+            atomic_write(args.output, lambda f: f.writelines(lines), mode="w")
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     else:
         sys.stdout.writelines(lines)
     n_bad = sum(r.error is not None for r in reqs)
