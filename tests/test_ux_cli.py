@@ -41,3 +41,30 @@ def test_sample_serve_options_are_checked_before_any_work(tmp_path, text_ckpt, c
     assert snapshot(tmp_path) == before
     assert sample.main(serve + ["--output", str(tmp_path / "o.jsonl")]) == 0
     assert json.loads((tmp_path / "o.jsonl").read_text())["prompt"] == "ab"
+
+
+# ----------------------------------------------------------------------------------------------
+# convert.py
+
+
+def test_convert_out_that_cannot_be_written(tmp_path, text_ckpt, capsys, monkeypatch):
+    import errno
+    import safetensors.torch
+    import convert
+    (tmp_path / "afile").write_text("keep")
+    before = snapshot(tmp_path)
+    for argv, match in [
+        (["to-hf", "--ckpt", text_ckpt, "--out", str(tmp_path / "afile" / "hf")], r"--out: .*afile is a file, not a folder"),
+        (["to-hf", "--ckpt", text_ckpt, "--out", str(tmp_path / "afile")], r"--out: .*afile is a file; --out names a new"),
+        (["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "afile" / "x")], r"--out: .*afile is a file, not a"),
+    ]:
+        one_error_line(capsys, convert.main(argv), match)
+    assert snapshot(tmp_path) == before
+
+    def full_disk(tensors, path, metadata=None):
+        open(path, "wb").write(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    one_error_line(capsys, convert.main(["to-hf", "--ckpt", text_ckpt, "--out", str(tmp_path / "hf")]),
+                   r"--out .*hf: could not be written \(No space left on device\); nothing was left behind")
+    assert snapshot(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["afile", "text"]
