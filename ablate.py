@@ -49,7 +49,7 @@ import time
 import cost
 import evals
 from config import ROOT, STOP_METRICS, apply_override, from_raw, read_yaml
-from data.tokens import DataError, write_json
+from data.tokens import DataError, check_writable, write_json
 from model import ConfigError
 from plot import loss_curves, read_metrics  # noqa: F401  (read_metrics: ablate.read_metrics)
 
@@ -144,6 +144,11 @@ def load_sweep(path):
             evals.check_options(name, {**evals.eval_options(name), **opts})
         except ValueError as e:
             raise SweepError(f"{path}: {e}") from None
+    for key, default, allowed in (("threads", 1, "an integer >= 1"), ("decode_ctx", None, "an integer >= 1 or null")):
+        value = raw.get(key, default)
+        if not (value is None and default is None) and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise SweepError(f"{path}: {key}: must be {allowed} (got {value!r})")
     out_dir = raw.get("out_dir") or os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
     if not isinstance(out_dir, str):
         raise SweepError(f"{path}: out_dir: must be a folder path (got {out_dir!r})")
@@ -165,8 +170,10 @@ def load_sweep(path):
         ovs = [_norm_override(o, f"{path}: variants.{name}") for o in ovs]
         sweep["variants"][name] = ovs
         try:
-            config_for(sweep, name, seeds[0], sweep["lrs"][0])
-        except ConfigError as e:
+            cfg = config_for(sweep, name, seeds[0], sweep["lrs"][0])
+            for ev, opts in evs.items():  # an eval the variant's data can never run (mqar on text, ...)
+                evals.check_options(ev, {**evals.eval_options(ev), **opts}, cfg)
+        except ValueError as e:
             raise SweepError(f"{path}: variants.{name}: {e}") from None
     return sweep
 
@@ -295,14 +302,15 @@ def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
     result = {"variant": variant, "seed": seed, "lr": cfg.train.lr, "overrides": sweep["variants"][variant],
               "params": model.num_params(), "train_tokens_per_s": tps[len(tps) // 2] if tps else None,
               "final": eval_rows[-1] if eval_rows else {}, "train_time_s": time.time() - t0, "evals": {}}
-    for name, opts in sweep["evals"].items():
+    for ev_name, opts in sweep["evals"].items():
         t = time.time()
         try:
-            result["evals"][name] = evals.run_eval(name, model, cfg, opts)
+            result["evals"][ev_name] = evals.run_eval(ev_name, model, cfg, opts)
         except ValueError as e:  # e.g. streaming on a model without global attention
-            result["evals"][name] = {"skipped": str(e)}
-        log(f"[{os.path.basename(folder)}] eval {name}: " + ", ".join(
-            f"{k} {v:.4g}" for k, v in evals.scalars(result["evals"][name]).items()) + f" ({time.time() - t:.0f}s)")
+            result["evals"][ev_name] = {"skipped": str(e)}
+        log(f"[{os.path.basename(folder)}] eval {ev_name}: " + (", ".join(
+            f"{k} {v:.4g}" for k, v in evals.scalars(result["evals"][ev_name]).items()) or
+            f"skipped: {result['evals'][ev_name].get('skipped')}") + f" ({time.time() - t:.0f}s)")
     with torch.no_grad():
         result["decode_ms_per_token"] = decode_ms_per_token(model, sweep["decode_ctx"] or cfg.train.seq_len)
     write_json(done, result)
@@ -616,6 +624,7 @@ def main(argv=None):
             if v not in sweep["variants"]:
                 raise SweepError(f"--only: {v!r} is not a variant of {args.sweep} ({', '.join(sweep['variants'])})")
         if not args.report:
+            check_writable(sweep["out_dir"], "--out_dir" if args.out_dir else f"{args.sweep}: out_dir", "folder")
             os.makedirs(sweep["out_dir"], exist_ok=True)
             run_sweep(sweep, log=lambda m: print(m, flush=True), only=only, jobs=args.jobs)
         path = write_report(sweep)

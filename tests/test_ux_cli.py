@@ -68,3 +68,51 @@ def test_convert_out_that_cannot_be_written(tmp_path, text_ckpt, capsys, monkeyp
     one_error_line(capsys, convert.main(["to-hf", "--ckpt", text_ckpt, "--out", str(tmp_path / "hf")]),
                    r"--out .*hf: could not be written \(No space left on device\); nothing was left behind")
     assert snapshot(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["afile", "text"]
+
+
+# ----------------------------------------------------------------------------------------------
+# ablate.py: sweep keys checked up front, log lines that name the run
+
+
+def sweep_file(tmp_path, name, base_raw, **keys):
+    base = tmp_path / "base.yaml"
+    base.write_text(json.dumps(base_raw))
+    sweep = {"base": str(base), "out_dir": str(tmp_path / "runs"), "variants": {"a": {}}, **keys}
+    (tmp_path / name).write_text(json.dumps(sweep))
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("keys,match", [
+    ({"threads": -1}, r"threads: must be an integer >= 1 \(got -1\)"),
+    ({"threads": "abc"}, r"threads: must be an integer >= 1 \(got 'abc'\)"),
+    ({"decode_ctx": -5}, r"decode_ctx: must be an integer >= 1 or null \(got -5\)"),
+    ({"evals": {"palindrome": {}}}, r"variants.a: evals.palindrome: the checkpoint was trained on data.kind stdlib, "
+                                    r"not palindrome"),
+    ({"evals": {"mqar": {}}}, r"variants.a: evals.mqar: the checkpoint was trained on data.kind stdlib, not mqar"),
+    ({"evals": {"kv_policies": {"budgets": [2, 8]}}}, r"evals.kv_policies.budgets: must be larger than 4 \(the sink "
+                                                     r"tokens of policy streaming; got 2\)"),
+    ({"out_dir": "afile/runs"}, r"out_dir: .*afile is a file, not a folder"),
+])
+def test_sweep_is_refused_before_any_run(tmp_path, capsys, monkeypatch, keys, match):
+    """Each of these trained every run first, then failed (a traceback, or an eval that never ran)."""
+    import ablate
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("keep")
+    path = sweep_file(tmp_path, "s.yaml", GLOBAL_RAW, **keys)
+    before = snapshot(tmp_path)
+    one_error_line(capsys, ablate.main([path]), match)
+    assert snapshot(tmp_path) == before
+
+
+def test_sweep_log_names_the_run_and_a_skipped_eval(tmp_path, capsys):
+    import ablate
+    raw = json.loads(json.dumps(MQAR_RAW))
+    raw["model"]["layers"]["g"]["window"] = 8  # no global layer: streaming is skipped
+    raw["train"].update(max_steps=2, batch_size=2, eval_interval=2, eval_batches=1, warmup_steps=1)
+    path = sweep_file(tmp_path, "s.yaml", raw, evals={"mqar": {"n_batches": 1, "batch_size": 2},
+                                                       "streaming": {"n_seqs": 1}})
+    assert ablate.main([path]) == 0
+    out = capsys.readouterr().out
+    assert "[a-s0] eval mqar: acc " in out
+    assert "[a-s0] eval streaming: skipped: evals.streaming: evicts only from global" in out
+    assert "[a-s0] done in " in out and "[streaming] done" not in out
