@@ -27,7 +27,7 @@ def check_writable(path, what, kind="file"):
     path = os.path.abspath(path)
     if kind == "file" and os.path.isdir(path):
         raise DataError(f"{what}: {path} is a folder, not a file")
-    if kind == "file" and not os.path.isdir(os.path.dirname(path)):
+    if kind == "file" and not os.path.exists(os.path.dirname(path)):
         raise DataError(f"{what}: the folder {os.path.dirname(path)} does not exist")
     existing = path if kind == "folder" else os.path.dirname(path)
     while not os.path.exists(existing):

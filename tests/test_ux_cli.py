@@ -28,7 +28,7 @@ def test_sample_serve_options_are_checked_before_any_work(tmp_path, text_ckpt, c
     for argv, match in [
         (serve + ["--output", str(tmp_path / "no" / "o.jsonl")], r"--output: the folder .*/no does not exist"),
         (serve + ["--output", str(tmp_path)], r"--output: .* is a folder, not a file"),
-        (serve + ["--output", str(tmp_path / "afile" / "o.jsonl")], r"--output: the folder .*afile does not exist"),
+        (serve + ["--output", str(tmp_path / "afile" / "o.jsonl")], r"--output: .*afile is a file, not a folder"),
         (serve + ["--kv_budget", "8"], r"--kv_budget: not with --kv_policy full"),
         (serve + ["--num_samples", "2"], r"--num_samples: not with --prompts_file"),
         (serve + ["--prompt", "x"], r"--prompt: not with --prompts_file"),
@@ -116,3 +116,21 @@ def test_sweep_log_names_the_run_and_a_skipped_eval(tmp_path, capsys):
     assert "[a-s0] eval mqar: acc " in out
     assert "[a-s0] eval streaming: skipped: evals.streaming: evicts only from global" in out
     assert "[a-s0] done in " in out and "[streaming] done" not in out
+
+
+# ----------------------------------------------------------------------------------------------
+# bench/
+
+
+def test_gpu_check_out_is_checked_before_the_work(tmp_path, capsys, monkeypatch):
+    """--out was opened after the checks, benchmarks and training (minutes of GPU time)."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import gpu_check
+    monkeypatch.setattr(gpu_check, "run_checks", lambda *a: pytest.fail("ran before --out was checked"))
+    (tmp_path / "afile").write_text("keep")
+    one_error_line(capsys, gpu_check.main(["--dry-run", "--out", str(tmp_path / "afile" / "c.json")]),
+                   r"--out: .*afile is a file, not a folder")
+    one_error_line(capsys, gpu_check.main(["--dry-run", "--out", str(tmp_path / "no" / "c.json")]),
+                   r"--out: the folder .*no does not exist")
+    assert os.listdir(tmp_path) == ["afile"]
