@@ -3,11 +3,14 @@ ablate's sweep keys, bench scripts, train.init_from): bad input is one `error: .
 before any work, with nothing written or lost."""
 import json
 import os
+import sys
 
 import pytest
 
 import sample
 from test_ux import GLOBAL_RAW, MQAR_RAW, one_error_line, save_ckpt, snapshot
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 
 @pytest.fixture
@@ -124,8 +127,6 @@ def test_sweep_log_names_the_run_and_a_skipped_eval(tmp_path, capsys):
 
 def test_gpu_check_out_is_checked_before_the_work(tmp_path, capsys, monkeypatch):
     """--out was opened after the checks, benchmarks and training (minutes of GPU time)."""
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import gpu_check
     monkeypatch.setattr(gpu_check, "run_checks", lambda *a: pytest.fail("ran before --out was checked"))
     (tmp_path / "afile").write_text("keep")
@@ -134,3 +135,18 @@ def test_gpu_check_out_is_checked_before_the_work(tmp_path, capsys, monkeypatch)
     one_error_line(capsys, gpu_check.main(["--dry-run", "--out", str(tmp_path / "no" / "c.json")]),
                    r"--out: the folder .*no does not exist")
     assert os.listdir(tmp_path) == ["afile"]
+
+
+def test_bench_serve_bad_input_and_a_model_without_paged_layers(tmp_path, capsys):
+    import bench_serve
+    one_error_line(capsys, bench_serve.main(["--n_requests", "0"]), r"--n_requests: must be an integer >= 1 \(got 0\)")
+    one_error_line(capsys, bench_serve.main(["--ckpt", str(tmp_path / "none")]), r"none: checkpoint not found")
+    raw = json.loads(json.dumps(GLOBAL_RAW))
+    raw["model"]["layers"] = {"g": {"kind": "nsa", "n_heads": 2, "n_kv_heads": 1, "cmp_block": 8, "cmp_stride": 4,
+                                    "sel_block": 8, "n_sel": 3, "window": 8}}
+    one_error_line(capsys, bench_serve.main(["--ckpt", save_ckpt(tmp_path / "nsa", raw)]),
+                   r"mixer kind 'nsa' is not supported by the serving engine")
+    raw["model"]["layers"] = {"g": {"kind": "kda", "n_heads": 2}}  # was a ZeroDivisionError after the timing
+    small = ["--n_requests", "2", "--max_prompt", "8", "--max_new", "8", "--prefix", "8"]
+    assert bench_serve.main(["--ckpt", save_ckpt(tmp_path / "kda", raw)] + small) == 0
+    assert "no paged layers" in capsys.readouterr().out
