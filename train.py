@@ -225,7 +225,7 @@ def _flatten(d, prefix):
     return out
 
 
-def check_model_matches(path, ckpt, cfg, verbose=True):
+def check_model_matches(path, ckpt, cfg, verbose=True, hint="resume with the model it was trained with"):
     """A checkpoint resumes only into a model with the same weights (names and shapes), else it is
     refused naming the differing config keys. Settings that change no weight (dsa.stage, window,
     top_k, backend, ...) may change between runs, e.g. DSA's dense_warmup -> sparse; they are listed."""
@@ -243,7 +243,7 @@ def check_model_matches(path, ckpt, cfg, verbose=True):
         shapes = {k: tuple(v.shape) for k, v in GPT(cfg.model).state_dict().items()}
     if shapes != {k: tuple(v.shape) for k, v in ckpt["model"].items()}:
         raise DataError(f"{path}: the checkpoint's model does not match this config ({'; '.join(diffs[:3])}"
-                        f"{'; ...' if len(diffs) > 3 else ''}); resume with the model it was trained with")
+                        f"{'; ...' if len(diffs) > 3 else ''}); {hint}")
     if verbose:
         print(f"note: resuming with changed model settings (same weights): {'; '.join(diffs)}")
 
@@ -255,7 +255,8 @@ def init_weights_from(module, path, cfg):
         if path is None:
             raise DataError(f"{folder}: no checkpoint (ckpt_*.pt) to initialise from (train.init_from)")
     ckpt = load_checkpoint(path)
-    check_model_matches(path, ckpt, cfg, verbose=False)
+    check_model_matches(path, ckpt, cfg, verbose=False, hint="train.init_from needs a checkpoint of a model with "
+                        "the same weights (names and shapes); set those keys as in the checkpoint")
     module.load_state_dict(ckpt["model"])
 
 

@@ -150,3 +150,24 @@ def test_bench_serve_bad_input_and_a_model_without_paged_layers(tmp_path, capsys
     small = ["--n_requests", "2", "--max_prompt", "8", "--max_new", "8", "--prefix", "8"]
     assert bench_serve.main(["--ckpt", save_ckpt(tmp_path / "kda", raw)] + small) == 0
     assert "no paged layers" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# train.py: train.init_from, train.stop_at
+
+
+def test_init_from_errors_say_init_from(tmp_path, capsys):
+    """A mismatching init_from checkpoint said 'resume with the model it was trained with'; an
+    accuracy target above 1 was accepted and never reached."""
+    import train as train_mod
+    from test_ux import tiny_raw, write_yaml
+    cfg = write_yaml(tmp_path / "c.yaml", tiny_raw(tmp_path / "run"))
+    other = save_ckpt(tmp_path / "other", GLOBAL_RAW)
+    before = snapshot(tmp_path)
+    one_error_line(capsys, train_mod.main([cfg, f"--train.init_from={other}"]),
+                   r"ckpt_1.pt: the checkpoint's model does not match this config \(model.vocab_size 257 in the "
+                   r"checkpoint, 32 here\); train.init_from needs a checkpoint of a model with the same weights")
+    one_error_line(capsys, train_mod.main([cfg, f"--train.init_from={tmp_path / 'none'}"]), r"none: checkpoint not found")
+    one_error_line(capsys, train_mod.main([cfg, "--train.stop_at={val_acc: 2}"]),
+                   r"train.stop_at.val_acc: must be in \(0, 1\] \(an accuracy\) \(got 2\)")
+    assert snapshot(tmp_path) == before
