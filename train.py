@@ -768,7 +768,8 @@ def parse_args(argv):
         elif a == "--overwrite":
             overwrite = True
         else:
-            raise ConfigError(f"unknown argument {a!r}; see python train.py --help")
+            hint = " (a config file ends in .yaml or .yml)" if not a.startswith("-") and path is None else ""
+            raise ConfigError(f"unknown argument {a!r}{hint}; see python train.py --help")
     return load_config(path, overrides), resume, overwrite
 
 

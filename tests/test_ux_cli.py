@@ -171,3 +171,23 @@ def test_init_from_errors_say_init_from(tmp_path, capsys):
     one_error_line(capsys, train_mod.main([cfg, "--train.stop_at={val_acc: 2}"]),
                    r"train.stop_at.val_acc: must be in \(0, 1\] \(an accuracy\) \(got 2\)")
     assert snapshot(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# cost.py / train.py arguments
+
+
+def test_cost_override_with_spaces_is_an_override(capsys):
+    """argparse took `--model.mlp={kind: moe, ...}` (a space inside) for the config path: 'config file
+    not found'."""
+    import cost
+    import train as train_mod
+    one_error_line(capsys, cost.main(["--model.mlp={kind: moe, hidden: -32, n_experts: 4, top_k: 2}"]),
+                   r"model.mlp.hidden: must be an integer >= 1 \(got -32\)")
+    from config import ROOT
+    default = os.path.join(ROOT, "configs", "default.yaml")
+    assert cost.main([default, "--model.mlp={kind: moe, hidden: 32, n_experts: 4, top_k: 2}", "--ctx", "64"]) == 0
+    assert capsys.readouterr().out.startswith(f"{default}: ")
+    one_error_line(capsys, cost.main(["myconfig"]), r"myconfig: not a config \(\*.yaml, \*.yml\) nor an override")
+    one_error_line(capsys, train_mod.main(["c.json"]), r"unknown argument 'c.json' \(a config file ends in .yaml or "
+                                                      r".yml\); see python train.py --help")
