@@ -32,7 +32,7 @@ if __name__ == "__main__":  # python data/prepare.py: make the repository root i
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from data.tokens import DataError, write_json, write_tokens  # noqa: E402
+from data.tokens import DataError, check_writable, write_json, write_tokens  # noqa: E402
 
 MANIFEST = "manifest.json"
 _ENC = None  # the encoding of a worker process
@@ -73,8 +73,9 @@ def get_encoding(encoding):
     import tiktoken
     try:
         return tiktoken.get_encoding(encoding)
-    except ValueError as e:
-        raise DataError(f"--tokenizer {encoding}: {str(e).splitlines()[0]} (or bytes)") from None
+    except ValueError:
+        raise DataError(f"--tokenizer {encoding}: not a tiktoken encoding; one of "
+                        f"{', '.join(tiktoken.list_encoding_names())}, or bytes") from None
     except Exception as e:  # requests / urllib errors: no network, proxy, DNS
         raise DataError(f"--tokenizer {encoding}: the encoding file could not be downloaded "
                         f"({type(e).__name__}); {OFFLINE_HINT}") from None
@@ -251,6 +252,14 @@ def main(argv=None):
     p.add_argument("--batch_docs", type=int, default=64, help="documents per worker task")
     a = p.parse_args(argv)
     try:
+        for name, ok, allowed in [("max_tokens", a.max_tokens is None or a.max_tokens >= 1, ">= 1"),
+                                  ("shard_tokens", a.shard_tokens >= 1, ">= 1"),
+                                  ("val_tokens", a.val_tokens >= 0, ">= 0"),
+                                  ("workers", a.workers is None or a.workers >= 1, ">= 1"),
+                                  ("batch_docs", a.batch_docs >= 1, ">= 1")]:
+            if not ok:
+                raise DataError(f"--{name}: must be {allowed} (got {getattr(a, name):g})")
+        check_writable(a.out, "--out", kind="folder")
         if a.files:
             docs, source = file_docs(a.files), {"files": a.files}
         else:

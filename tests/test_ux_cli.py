@@ -191,3 +191,27 @@ def test_cost_override_with_spaces_is_an_override(capsys):
     one_error_line(capsys, cost.main(["myconfig"]), r"myconfig: not a config \(\*.yaml, \*.yml\) nor an override")
     one_error_line(capsys, train_mod.main(["c.json"]), r"unknown argument 'c.json' \(a config file ends in .yaml or "
                                                       r".yml\); see python train.py --help")
+
+
+# ----------------------------------------------------------------------------------------------
+# data/prepare.py
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--out", "afile/p"], r"--out: .*afile is a file, not a folder"),  # was a traceback
+    (["--val_tokens", "-1"], r"--val_tokens: must be >= 0 \(got -1\)"),  # made a corpus without val
+    (["--shard_tokens", "0"], r"--shard_tokens: must be >= 1 \(got 0\)"),
+    (["--max_tokens", "-1"], r"--max_tokens: must be >= 1 \(got -1\)"),  # was ignored
+    (["--workers", "0"], r"--workers: must be >= 1 \(got 0\)"),
+    (["--tokenizer", "bogus"], r"--tokenizer bogus: not a tiktoken encoding; one of gpt2, .*, or bytes"),
+])
+def test_prepare_options(tmp_path, capsys, monkeypatch, extra, match):
+    from data import prepare as prepare_mod
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("hello world\n")
+    (tmp_path / "afile").write_text("keep")
+    before = snapshot(tmp_path)
+    opts = {"--files": "a.txt", "--tokenizer": "bytes", "--out": "corpus"}
+    opts.update(zip(extra[::2], extra[1::2]))
+    one_error_line(capsys, prepare_mod.main([x for kv in opts.items() for x in kv]), match)
+    assert snapshot(tmp_path) == before and not (tmp_path / "corpus").exists()
