@@ -254,7 +254,7 @@ def main(argv=None):
     try:
         for name, ok, allowed in [("max_tokens", a.max_tokens is None or a.max_tokens >= 1, ">= 1"),
                                   ("shard_tokens", a.shard_tokens >= 1, ">= 1"),
-                                  ("val_tokens", a.val_tokens >= 0, ">= 0"),
+                                  ("val_tokens", a.val_tokens >= 1, ">= 1 (training evaluates on val_000.bin)"),
                                   ("workers", a.workers is None or a.workers >= 1, ">= 1"),
                                   ("batch_docs", a.batch_docs >= 1, ">= 1")]:
             if not ok:
@@ -265,9 +265,14 @@ def main(argv=None):
         else:
             docs = hub_docs(a.dataset, a.name, a.split, a.text_field)
             source = {"dataset": a.dataset, "name": a.name, "split": a.split, "text_field": a.text_field}
-        prepare(docs, a.out, a.tokenizer, source, max_tokens=None if a.max_tokens is None else int(a.max_tokens),
-                shard_tokens=int(a.shard_tokens), val_tokens=int(a.val_tokens), workers=a.workers,
-                batch_docs=a.batch_docs)
+        manifest = prepare(docs, a.out, a.tokenizer, source,
+                           max_tokens=None if a.max_tokens is None else int(a.max_tokens),
+                           shard_tokens=int(a.shard_tokens), val_tokens=int(a.val_tokens), workers=a.workers,
+                           batch_docs=a.batch_docs)
+        if not any(sh["file"].startswith("train") for sh in manifest["shards"]):
+            raise DataError(f"{a.out}: no train shard, every document went to val (the first documents, whole, up "
+                            f"to --val_tokens {a.val_tokens:g}; one file is one document): training cannot use it; "
+                            f"prepare into a new --out with a smaller --val_tokens or more documents")
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

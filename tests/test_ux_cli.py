@@ -199,7 +199,7 @@ def test_cost_override_with_spaces_is_an_override(capsys):
 
 @pytest.mark.parametrize("extra,match", [
     (["--out", "afile/p"], r"--out: .*afile is a file, not a folder"),  # was a traceback
-    (["--val_tokens", "-1"], r"--val_tokens: must be >= 0 \(got -1\)"),  # made a corpus without val
+    (["--val_tokens", "0"], r"--val_tokens: must be >= 1 \(training evaluates on val_000.bin\) \(got 0\)"),
     (["--shard_tokens", "0"], r"--shard_tokens: must be >= 1 \(got 0\)"),
     (["--max_tokens", "-1"], r"--max_tokens: must be >= 1 \(got -1\)"),  # was ignored
     (["--workers", "0"], r"--workers: must be >= 1 \(got 0\)"),
@@ -215,3 +215,22 @@ def test_prepare_options(tmp_path, capsys, monkeypatch, extra, match):
     opts.update(zip(extra[::2], extra[1::2]))
     one_error_line(capsys, prepare_mod.main([x for kv in opts.items() for x in kv]), match)
     assert snapshot(tmp_path) == before and not (tmp_path / "corpus").exists()
+
+
+def test_prepare_a_corpus_without_train_shard_is_an_error(tmp_path, capsys, monkeypatch):
+    """One file is one document: with the default --val_tokens it all went to val, exit 0, and training
+    then said 'prepare the corpus first'."""
+    import re
+    from data import prepare as prepare_mod
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("hello world\n" * 50)
+    rc = prepare_mod.main(["--files", "a.txt", "--tokenizer", "bytes", "--out", "c", "--workers", "1"])
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.strip() and not line.startswith("tokenise")]  # tqdm
+    assert rc == 2 and re.fullmatch(r"c: 601 tokens \(601 val\) .*\n", out), out
+    assert len(errors) == 1 and re.match(r"error: c: no train shard, every document went to val \(the first "
+                                         r"documents, whole, up to --val_tokens 1e\+06; one file is one document\)",
+                                         errors[0]), err
+    (tmp_path / "b.txt").write_text("bye\n" * 50)
+    assert prepare_mod.main(["--files", "*.txt", "--tokenizer", "bytes", "--out", "d", "--workers", "1",
+                             "--val_tokens", "1"]) == 0  # two documents: one for val, one for train
