@@ -66,7 +66,9 @@ def main(argv=None):
             print(f"error: {folder}: no metrics.jsonl rows (train.out_dir of a run that logged a step)",
                   file=sys.stderr)
             return 2
-        runs[os.path.basename(os.path.normpath(folder))] = rows
+        name = os.path.basename(os.path.normpath(folder))
+        runs[os.path.normpath(folder) if name in runs or any(
+            os.path.basename(os.path.normpath(f)) == name for f in a.runs if f != folder) else name] = rows
     if a.out is None and len(a.runs) > 1:
         print("error: --out: needed to plot several runs in one figure", file=sys.stderr)
         return 2

@@ -234,3 +234,19 @@ def test_prepare_a_corpus_without_train_shard_is_an_error(tmp_path, capsys, monk
     (tmp_path / "b.txt").write_text("bye\n" * 50)
     assert prepare_mod.main(["--files", "*.txt", "--tokenizer", "bytes", "--out", "d", "--workers", "1",
                              "--val_tokens", "1"]) == 0  # two documents: one for val, one for train
+
+
+# ----------------------------------------------------------------------------------------------
+# plot.py
+
+
+def test_plot_runs_with_the_same_folder_name_are_all_drawn(tmp_path, monkeypatch):
+    """x/run and y/run were one dict key: the first run's curve was silently dropped."""
+    import plot
+    drawn = {}
+    monkeypatch.setattr(plot, "loss_curves", lambda runs, out: drawn.update(runs))
+    for parent in ("x", "y"):
+        (tmp_path / parent / "run").mkdir(parents=True)
+        (tmp_path / parent / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    assert plot.main([str(tmp_path / "x" / "run"), str(tmp_path / "y" / "run"), "--out", str(tmp_path / "p.png")]) == 0
+    assert sorted(drawn) == [str(tmp_path / "x" / "run"), str(tmp_path / "y" / "run")]
