@@ -252,9 +252,17 @@ def serve_file(args, model, encode, decode):
     from engine import Engine, EngineError
     try:
         reqs, objs = read_requests(args.prompts_file, encode, args)
+    except UnicodeDecodeError as e:
+        print(f"error: --prompts_file {args.prompts_file}: not UTF-8 text (byte {e.start}: "
+              f"{e.object[e.start:e.start + 1]!r})", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: --prompts_file {args.prompts_file}: cannot be read ({e.strerror or e})", file=sys.stderr)
+        return 2
+    try:
         engine = Engine(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, block_size=args.block_size,
                         max_len=args.cache_len, kv_policy=args.kv_policy, kv_budget=args.kv_budget, seed=args.seed)
-    except (OSError, UnicodeDecodeError, EngineError) as e:
+    except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     bad = [r for r in reqs if r.error is not None]

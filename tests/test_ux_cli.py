@@ -250,3 +250,11 @@ def test_plot_runs_with_the_same_folder_name_are_all_drawn(tmp_path, monkeypatch
         (tmp_path / parent / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
     assert plot.main([str(tmp_path / "x" / "run"), str(tmp_path / "y" / "run"), "--out", str(tmp_path / "p.png")]) == 0
     assert sorted(drawn) == [str(tmp_path / "x" / "run"), str(tmp_path / "y" / "run")]
+
+
+def test_sample_prompts_file_unreadable_names_the_file(tmp_path, text_ckpt, capsys):
+    (tmp_path / "bad.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    for path, match in [(tmp_path / "bad.jsonl", r"bad.jsonl: not UTF-8 text \(byte 14: b'\\xe9'\)"),
+                        (tmp_path, r"--prompts_file .*: cannot be read \(Is a directory\)"),
+                        (tmp_path / "none", r"none: cannot be read \(No such file or directory\)")]:
+        one_error_line(capsys, sample.main(["--ckpt", text_ckpt, "--prompts_file", str(path)]), match)
