@@ -254,7 +254,7 @@ def test_plot_runs_with_the_same_folder_name_are_all_drawn(tmp_path, monkeypatch
 
 def test_sample_prompts_file_unreadable_names_the_file(tmp_path, text_ckpt, capsys):
     (tmp_path / "bad.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
-    for path, match in [(tmp_path / "bad.jsonl", r"bad.jsonl: not UTF-8 text \(byte 14: b'\\xe9'\)"),
+    for path, match in [(tmp_path / "bad.jsonl", r"bad.jsonl: not UTF-8 text \(byte 15: b'\\xe9'\)"),
                         (tmp_path, r"--prompts_file .*: cannot be read \(Is a directory\)"),
                         (tmp_path / "none", r"none: cannot be read \(No such file or directory\)")]:
         one_error_line(capsys, sample.main(["--ckpt", text_ckpt, "--prompts_file", str(path)]), match)
