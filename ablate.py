@@ -65,6 +65,10 @@ class SweepError(ValueError):
     """A bad sweep file; the message is one line."""
 
 
+class SweepStopped(Exception):
+    """A run was stopped by a signal (Ctrl-C, SIGTERM): its checkpoint is saved, it has no result."""
+
+
 # ----------------------------------------------------------------------------------------------
 # the sweep file
 
@@ -279,7 +283,7 @@ def _lock(folder):
 def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
     import torch
     from sample import load_model
-    from train import latest_checkpoint, train
+    from train import latest_checkpoint, load_checkpoint, target_reached, train
     ckpt, name = latest_checkpoint(folder), os.path.basename(folder)
     log(f"[{name}] " + (f"resuming from {os.path.basename(ckpt)}" if ckpt else "training") +
         f" ({' '.join(sweep['variants'][variant]) or 'base config'})")
@@ -298,6 +302,11 @@ def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
     metrics = read_metrics(folder)
     train_rows = [r for r in metrics if "loss" in r]
     eval_rows = [r for r in metrics if "loss" not in r]
+    step = load_checkpoint(latest_checkpoint(folder))["step"]
+    last = eval_rows[-1] if eval_rows else {}
+    if step < cfg.train.max_steps and not (last.get("step") == step and target_reached(last, cfg.train.stop_at)):
+        raise SweepStopped(f"[{name}] stopped by a signal at step {step} of {cfg.train.max_steps} (checkpoint "
+                           f"saved, no result.json); rerun the same command to resume the sweep")
     tps = sorted(r["tokens_per_s"] for r in train_rows)
     result = {"variant": variant, "seed": seed, "lr": cfg.train.lr, "overrides": sweep["variants"][variant],
               "params": model.num_params(), "train_tokens_per_s": tps[len(tps) // 2] if tps else None,
@@ -631,6 +640,9 @@ def main(argv=None):
     except (SweepError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SweepStopped as e:  # like train.py: the step finished, a checkpoint was saved, exit 0
+        print(e)
+        return 0
     print(f"report: {path}" if path else "no finished runs yet")
     return 0
 

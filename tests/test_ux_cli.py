@@ -258,3 +258,26 @@ def test_sample_prompts_file_unreadable_names_the_file(tmp_path, text_ckpt, caps
                         (tmp_path, r"--prompts_file .*: cannot be read \(Is a directory\)"),
                         (tmp_path / "none", r"none: cannot be read \(No such file or directory\)")]:
         one_error_line(capsys, sample.main(["--ckpt", text_ckpt, "--prompts_file", str(path)]), match)
+
+
+def test_sweep_interrupted_by_ctrl_c_keeps_no_result(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during a sweep's run: train() saved and returned, and the half-trained run was evaluated
+    and written as finished (result.json), so a rerun skipped it. Now: the sweep stops, the run resumes."""
+    import ablate
+    from test_ux import interrupt_during_step
+    raw = json.loads(json.dumps(MQAR_RAW))
+    raw["train"].update(max_steps=6, batch_size=2, eval_interval=1000, eval_batches=1, warmup_steps=1,
+                        ckpt_interval=1000, log_interval=1)
+    path = sweep_file(tmp_path, "s.yaml", raw, variants={"a": {}, "b": {}}, evals={"mqar": {"n_batches": 1, "batch_size": 2}})
+    interrupt_during_step(monkeypatch, {3})
+    assert ablate.main([path]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("[a-s0] stopped by a signal at step 3 of 6 (checkpoint saved, no result.json); "
+                                 "rerun the same command to resume the sweep"), out
+    assert sorted(os.listdir(tmp_path / "runs")) == ["a-s0"]
+    assert sorted(os.listdir(tmp_path / "runs" / "a-s0")) == ["ckpt_3.pt", "metrics.jsonl"]
+    monkeypatch.undo()
+    assert ablate.main([path]) == 0
+    assert "[a-s0] resuming from ckpt_3.pt" in capsys.readouterr().out
+    result = json.loads((tmp_path / "runs" / "a-s0" / "result.json").read_text())
+    assert result["final"]["step"] == 6
