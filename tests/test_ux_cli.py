@@ -281,3 +281,12 @@ def test_sweep_interrupted_by_ctrl_c_keeps_no_result(tmp_path, capsys, monkeypat
     assert "[a-s0] resuming from ckpt_3.pt" in capsys.readouterr().out
     result = json.loads((tmp_path / "runs" / "a-s0" / "result.json").read_text())
     assert result["final"]["step"] == 6
+
+
+def test_bench_model_options(capsys):
+    import bench_model
+    for argv, match in [(["decode", "--contexts", "0,x"], r"--contexts: comma-separated integers >= 1 \(got '0,x'\)"),
+                        (["decode", "--contexts", "-4"], r"--contexts: comma-separated integers >= 1"),
+                        (["train", "--steps", "0"], r"--steps: must be >= 1 \(got 0\)"),
+                        (["decode", "--tokens", "-1"], r"--tokens: must be >= 1 \(got -1\)")]:
+        one_error_line(capsys, bench_model.main(argv), match)
