@@ -290,3 +290,13 @@ def test_bench_model_options(capsys):
                         (["train", "--steps", "0"], r"--steps: must be >= 1 \(got 0\)"),
                         (["decode", "--tokens", "-1"], r"--tokens: must be >= 1 \(got -1\)")]:
         one_error_line(capsys, bench_model.main(argv), match)
+
+
+def test_bench_nanogpt_options(capsys):
+    """An unknown kind exited 1 without 'error:'; a bad shape was a ConfigError traceback."""
+    import bench_nanogpt
+    for argv, match in [(["--kinds", "bogus"], r"--kinds: unknown kind 'bogus'; allowed: attn, kda"),
+                        (["--d", "0"], r"--d: must be an integer >= 1 \(got 0\)"),
+                        (["--heads", "3"], r"--heads: must divide --d=256 \(got 3\)"),
+                        (["--kinds", "mla", "--d", "8", "--heads", "8"], r"model.layers.mla")]:
+        one_error_line(capsys, bench_nanogpt.main(argv), match)
