@@ -300,3 +300,16 @@ def test_bench_nanogpt_options(capsys):
                         (["--heads", "3"], r"--heads: must divide --d=256 \(got 3\)"),
                         (["--kinds", "mla", "--d", "8", "--heads", "8"], r"model.layers.mla")]:
         one_error_line(capsys, bench_nanogpt.main(argv), match)
+
+
+def test_bench_sparse_and_delta_rule_sizes(capsys, monkeypatch):
+    """--T 0 / --cpu-T 0 were tracebacks (torch.cat of nothing, max of an empty tensor)."""
+    import bench_delta_rule
+    import bench_sparse
+    for module, call, argv, match in [(bench_sparse, bench_sparse.parse_args, ["--cpu-T", "0"], r"--cpu-T: must be integers >= 1"),
+                                      (bench_delta_rule, bench_delta_rule.main, ["--T", "512", "0"], r"--T: must be integers >= 1 \(got \[512, 0\]\)"),
+                                      (bench_delta_rule, bench_delta_rule.main, ["--repeat", "-1"], r"--repeat: must be")]:
+        monkeypatch.setattr(sys, "argv", [module.__file__] + argv)
+        with pytest.raises(SystemExit) as e:
+            call()
+        one_error_line(capsys, e.value.code, match)
