@@ -500,6 +500,10 @@ class Run:
                 raise
             raise DataError(f"{e}; the earlier {intact} is intact: resume from it with --resume={intact} "
                             f"(and delete {path})") from None
+        if "optimizer" not in ckpt:  # convert.py from-hf writes weights only
+            raise DataError(f"{path}: holds weights only (no optimizer state or data position"
+                            f"{', converted from ' + ckpt['converted_from'] if 'converted_from' in ckpt else ''}): "
+                            f"it cannot be resumed; start a run from it with --train.init_from={path}")
         check_model_matches(path, ckpt, self.cfg, verbose=pg.main and not self.quiet)
         return ckpt, path
 

@@ -313,3 +313,21 @@ def test_bench_sparse_and_delta_rule_sizes(capsys, monkeypatch):
         with pytest.raises(SystemExit) as e:
             call()
         one_error_line(capsys, e.value.code, match)
+
+
+def test_resume_from_a_weights_only_checkpoint(tmp_path, capsys):
+    """convert.py from-hf writes weights only; --resume from it said 'the optimizer state does not fit
+    (train.optimizer=adamw?)' after a screenful of 'changed model settings'."""
+    import torch
+    import train as train_mod
+    from test_ux import tiny_raw, write_yaml
+    raw = tiny_raw(tmp_path / "run")
+    path = os.path.join(save_ckpt(tmp_path / "conv", raw, step=0), "ckpt_0.pt")
+    ckpt = torch.load(path, weights_only=True)
+    torch.save({**ckpt, "converted_from": "llama:hf/x"}, path)
+    cfg = write_yaml(tmp_path / "c.yaml", raw)
+    one_error_line(capsys, train_mod.main([cfg, f"--resume={path}"]),
+                   rf"ckpt_0.pt: holds weights only \(no optimizer state or data position, converted from llama:hf/x\): "
+                   rf"it cannot be resumed; start a run from it with --train.init_from={path}$")
+    assert not (tmp_path / "run").exists()
+    assert train_mod.main([cfg, f"--train.init_from={path}"]) == 0
