@@ -49,7 +49,7 @@ import time
 import cost
 import evals
 from config import ROOT, STOP_METRICS, apply_override, from_raw, read_yaml
-from data.tokens import DataError, check_writable, write_json
+from data.tokens import DataError, atomic_write, check_writable, write_json
 from model import ConfigError
 from plot import loss_curves, read_metrics  # noqa: F401  (read_metrics: ablate.read_metrics)
 
@@ -516,8 +516,10 @@ def make_plots(sweep, results):
 
     def save(fig, name):
         fig.tight_layout()
-        fig.savefig(os.path.join(out, name), dpi=80)
-        plt.close(fig)
+        try:  # atomically: an interrupted report never leaves a torn file
+            atomic_write(os.path.join(out, name), lambda f: fig.savefig(f, dpi=80, format="png"))
+        finally:
+            plt.close(fig)
         made.append(name)
 
     # training loss and the eval metric over steps (plot.py, also for single runs)
@@ -602,8 +604,7 @@ def write_report(sweep):
         lines.append(f"- `{v}`: {' '.join(f'`{o}`' for o in ovs) or 'the base config'}")
     lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
     path = os.path.join(sweep["out_dir"], "results.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
+    atomic_write(path, lambda f: f.write("\n".join(lines)), mode="w")
     return path
 
 

@@ -331,3 +331,22 @@ def test_resume_from_a_weights_only_checkpoint(tmp_path, capsys):
                    rf"it cannot be resumed; start a run from it with --train.init_from={path}$")
     assert not (tmp_path / "run").exists()
     assert train_mod.main([cfg, f"--train.init_from={path}"]) == 0
+
+
+def test_plot_write_failure_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """savefig wrote straight to the PNG: a failure (disk full) left a torn file."""
+    import errno
+    import matplotlib.figure
+    import plot
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    before = snapshot(tmp_path)
+
+    def full_disk(self, f, **kw):
+        f.write(b"\x89PNG partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    one_error_line(capsys, plot.main([str(run)]), r"--out .*loss_curves.png: could not be written \(No space left on "
+                                                  r"device\); the temporary file was removed")
+    assert snapshot(tmp_path) == before
