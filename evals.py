@@ -532,7 +532,7 @@ def check_options(name, options, cfg=None):
             raise ValueError(f"evals.kv_policies.budgets: must be larger than 4 (the sink tokens of policy "
                              f"streaming; got {small[0]})")
     if cfg is not None and name in ("palindrome", "stack") and cfg.data.kind != name:
-        raise ValueError(f"evals.{name}: the checkpoint was trained on data.kind {cfg.data.kind}, not {name}")
+        raise ValueError(f"evals.{name}: the model was trained on data.kind={cfg.data.kind}, not {name}")
     if cfg is not None and name == "mqar" and _is_text(cfg):
         raise ValueError(f"evals.mqar: the checkpoint was trained on data.kind {cfg.data.kind}, not mqar; "
                          f"use val, needle, length or streaming")
