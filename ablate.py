@@ -372,9 +372,15 @@ def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1):
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
         futures = {pool.submit(_job, sweep, v, lr, s): (v, lr, s) for v, lr, s in todo}
-        for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-            result, error = fut.result()
-            progress(i, futures[fut], result, error)
+        try:
+            for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+                result, error = fut.result()
+                progress(i, futures[fut], result, error)
+        except (KeyboardInterrupt, SweepStopped):  # Ctrl-C reaches every worker: each saves and stops
+            log("stopping: the running runs finish their step and save a checkpoint; no new run starts")
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise SweepStopped("stopped by a signal: runs without result.json resume from their checkpoint; "
+                               "rerun the same command to continue the sweep") from None
 
 
 # ----------------------------------------------------------------------------------------------

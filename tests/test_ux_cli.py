@@ -89,7 +89,7 @@ def sweep_file(tmp_path, name, base_raw, **keys):
     ({"threads": -1}, r"threads: must be an integer >= 1 \(got -1\)"),
     ({"threads": "abc"}, r"threads: must be an integer >= 1 \(got 'abc'\)"),
     ({"decode_ctx": -5}, r"decode_ctx: must be an integer >= 1 or null \(got -5\)"),
-    ({"evals": {"palindrome": {}}}, r"variants.a: evals.palindrome: the checkpoint was trained on data.kind stdlib, "
+    ({"evals": {"palindrome": {}}}, r"variants.a: evals.palindrome: the model was trained on data.kind=stdlib, "
                                     r"not palindrome"),
     ({"evals": {"mqar": {}}}, r"variants.a: evals.mqar: the checkpoint was trained on data.kind stdlib, not mqar"),
     ({"evals": {"kv_policies": {"budgets": [2, 8]}}}, r"evals.kv_policies.budgets: must be larger than 4 \(the sink "
@@ -350,3 +350,23 @@ def test_plot_write_failure_leaves_nothing(tmp_path, capsys, monkeypatch):
     one_error_line(capsys, plot.main([str(run)]), r"--out .*loss_curves.png: could not be written \(No space left on "
                                                   r"device\); the temporary file was removed")
     assert snapshot(tmp_path) == before
+
+
+def test_sweep_jobs_ctrl_c_is_one_line_and_starts_nothing_new(tmp_path, capsys, monkeypatch):
+    """--jobs: Ctrl-C raised KeyboardInterrupt in the parent (a traceback) and the pool went on to start
+    the queued runs while shutting down."""
+    import concurrent.futures
+    import ablate
+    raw = json.loads(json.dumps(MQAR_RAW))
+    raw["train"].update(max_steps=2, batch_size=2, eval_interval=1000, eval_batches=1, warmup_steps=1)
+    path = sweep_file(tmp_path, "s.yaml", raw, variants={v: {} for v in "abcdef"})
+
+    def ctrl_c(futures):
+        raise KeyboardInterrupt
+        yield
+    monkeypatch.setattr(concurrent.futures, "as_completed", ctrl_c)
+    assert ablate.main([path, "--jobs", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == ("stopped by a signal: runs without result.json resume from their checkpoint; rerun the same "
+                       "command to continue the sweep")
+    assert len(os.listdir(tmp_path / "runs")) <= 3  # 2 running + 1 in the pool's call queue; the rest cancelled
