@@ -516,7 +516,7 @@ def check_options(name, options, cfg=None):
     for key, value in options.items():
         if key not in allowed:
             raise ValueError(f"evals.{name}.{key}: unknown option; allowed: {', '.join(allowed)}")
-        test, what = OPTION_RULES[name].get(key, ((lambda v: True), ""))
+        test, what = OPTION_RULES[name].get(key, _at_least(0) if key == "seed" else ((lambda v: True), ""))
         values = value if isinstance(value, (tuple, list)) else [value]
         typed = (lambda v: isinstance(v, str)) if key == "policies" else (
             lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))

@@ -370,3 +370,22 @@ def test_sweep_jobs_ctrl_c_is_one_line_and_starts_nothing_new(tmp_path, capsys, 
     assert out[-1] == ("stopped by a signal: runs without result.json resume from their checkpoint; rerun the same "
                        "command to continue the sweep")
     assert len(os.listdir(tmp_path / "runs")) <= 3  # 2 running + 1 in the pool's call queue; the rest cancelled
+
+
+
+# ----------------------------------------------------------------------------------------------
+# evals.py
+
+
+def test_eval_seed_and_list_options(tmp_path, capsys):
+    """--seed -1 was torch's 'expected non-negative integer' (no option named); a bad list value was
+    'invalid <lambda> value'."""
+    import evals
+    ckpt = save_ckpt(tmp_path / "m", MQAR_RAW)
+    for argv, match in [(["mqar", "--seed", "-1"], r"evals.mqar.seed: must be >= 0 \(got -1\)"),
+                        (["needle", "--seed", "-3"], r"evals.needle.seed: must be >= 0 \(got -3\)"),
+                        (["kv_policies", "--budgets", "2,8"], r"evals.kv_policies.budgets: must be larger than 4")]:
+        one_error_line(capsys, evals.main(argv + ["--ckpt", ckpt]), match)
+    with pytest.raises(SystemExit):
+        evals.main(["needle", "--ckpt", ckpt, "--factors", "1,x"])
+    assert "invalid comma-separated int list value: '1,x'" in capsys.readouterr().err
