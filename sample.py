@@ -11,7 +11,9 @@ together by the engine (engine.py: continuous batching, chunked prefill, paged c
     python sample.py --ckpt out/default --prompts_file prompts.jsonl --output out.jsonl --max_batch 16
     python sample.py ... --kv_policy streaming --kv_budget 256 --prefill_chunk 64 --block_size 16
 
-Byte-level checkpoints (vocab 257) use UTF-8 bytes; others need `--tokenizer` (a tiktoken encoding).
+Text is encoded with the checkpoint's corpus tokenizer (bytes for stdlib, the encoding named in a prepared
+corpus's manifest.json); `--tokenizer` (a tiktoken encoding, or bytes) overrides it or fills in where
+the corpus names none.
 """
 import argparse
 import os
