@@ -604,6 +604,9 @@ def main(argv=None):
         check_options(args.eval, options)
         from train import pick_device
         model, cfg = load_model(args.ckpt, pick_device(args.device, "--device"))
+        if getattr(cfg, "converted_from", None):  # its data.kind (stdlib) is a placeholder, not its corpus
+            raise ConfigError(f"evals.{args.eval}: the checkpoint was converted from {cfg.converted_from} and has no "
+                              f"corpus to evaluate on; train from it (--train.init_from) and evaluate that run")
         result = run_eval(args.eval, model, cfg, options)
     except (ConfigError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

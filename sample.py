@@ -35,6 +35,7 @@ def load_model(path, device="cpu"):
             raise DataError(f"{folder}: no checkpoint (ckpt_*.pt) in this folder")
     ckpt = load_checkpoint(path)
     cfg = from_raw(ckpt["config"])
+    cfg.converted_from = ckpt.get("converted_from")  # convert.py from-hf: no corpus, data.kind a placeholder
     model = GPT(cfg.model)
     try:
         model.load_state_dict(ckpt["model"])
@@ -48,6 +49,9 @@ def make_codec(cfg, tokenizer):
     (bytes for stdlib, the manifest's encoding for prepared shards)."""
     from data import corpus_codec
     from data.prepare import get_encoding
+    if tokenizer is None and getattr(cfg, "converted_from", None):
+        raise ConfigError(f"the checkpoint was converted from {cfg.converted_from} and tokenizers are not converted: "
+                          f"pass --tokenizer NAME (that model's tiktoken encoding, or bytes)")
     if tokenizer is None:
         codec, why = corpus_codec(cfg)
         if codec is None:

@@ -389,3 +389,19 @@ def test_eval_seed_and_list_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
         evals.main(["needle", "--ckpt", ckpt, "--factors", "1,x"])
     assert "invalid comma-separated int list value: '1,x'" in capsys.readouterr().err
+
+
+def test_converted_checkpoint_has_no_tokenizer_nor_corpus(tmp_path, text_ckpt, capsys):
+    """A from-hf checkpoint's data.kind is the default (stdlib): sample.py encoded prompts as bytes for
+    a BPE model and evals.py val scored it on the stdlib corpus, both silently."""
+    import convert
+    import evals
+    assert convert.main(["to-hf", "--ckpt", text_ckpt, "--out", str(tmp_path / "hf")]) == 0
+    assert convert.main(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "conv")]) == 0
+    capsys.readouterr()
+    conv = str(tmp_path / "conv")
+    one_error_line(capsys, sample.main(["--ckpt", conv, "--prompt", "ab", "--max_new_tokens", "2"]),
+                   r"converted from llama:.*hf and tokenizers are not converted: pass --tokenizer NAME")
+    one_error_line(capsys, evals.main(["val", "--ckpt", conv]),
+                   r"evals.val: the checkpoint was converted from llama:.*hf and has no corpus to evaluate on")
+    assert sample.main(["--ckpt", conv, "--prompt", "ab", "--max_new_tokens", "2", "--tokenizer", "bytes"]) == 0
