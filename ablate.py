@@ -51,7 +51,7 @@ import time
 import cost
 import evals
 from config import ROOT, STOP_METRICS, apply_override, from_raw, read_yaml
-from data.tokens import DataError, write_json
+from data.tokens import DataError, atomic_write, check_writable, write_json
 from model import ConfigError
 from plot import loss_curves, read_metrics  # noqa: F401  (read_metrics: ablate.read_metrics)
 
@@ -63,13 +63,12 @@ SWEEP_KEYS = {"base": "path of the base config", "out_dir": "sweep folder", "see
 CONTEXTS = cost.CONTEXTS
 
 
-class Interrupted(Exception):
-    """A run stopped by SIGTERM / SIGUSR1 / Ctrl-C: its checkpoint is kept, no result is recorded and
-    the sweep stops; the same command resumes it."""
-
-
 class SweepError(ValueError):
     """A bad sweep file; the message is one line."""
+
+
+class SweepStopped(Exception):
+    """A run was stopped by a signal (Ctrl-C, SIGTERM): its checkpoint is saved, it has no result."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,6 +150,11 @@ def load_sweep(path):
             evals.check_options(name, {**evals.eval_options(name), **opts})
         except ValueError as e:
             raise SweepError(f"{path}: {e}") from None
+    for key, default, allowed in (("threads", 1, "an integer >= 1"), ("decode_ctx", None, "an integer >= 1 or null")):
+        value = raw.get(key, default)
+        if not (value is None and default is None) and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise SweepError(f"{path}: {key}: must be {allowed} (got {value!r})")
     out_dir = raw.get("out_dir") or os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
     if not isinstance(out_dir, str):
         raise SweepError(f"{path}: out_dir: must be a folder path (got {out_dir!r})")
@@ -172,8 +176,10 @@ def load_sweep(path):
         ovs = [_norm_override(o, f"{path}: variants.{name}") for o in ovs]
         sweep["variants"][name] = ovs
         try:
-            config_for(sweep, name, seeds[0], sweep["lrs"][0])
-        except ConfigError as e:
+            cfg = config_for(sweep, name, seeds[0], sweep["lrs"][0])
+            for ev, opts in evs.items():  # an eval the variant's data can never run (mqar on text, ...)
+                evals.check_options(ev, {**evals.eval_options(ev), **opts}, cfg)
+        except ValueError as e:
             raise SweepError(f"{path}: variants.{name}: {e}") from None
     return sweep
 
@@ -279,13 +285,13 @@ def _lock(folder):
 def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
     import torch
     from sample import load_model
-    from train import checkpoint_step, latest_checkpoint, target_reached, train
+    from train import latest_checkpoint, load_checkpoint, target_reached, train
     ckpt, name = latest_checkpoint(folder), os.path.basename(folder)
     log(f"[{name}] " + (f"resuming from {os.path.basename(ckpt)}" if ckpt else "training") +
         f" ({' '.join(sweep['variants'][variant]) or 'base config'})")
     t0 = time.time()
     try:
-        last_eval = train(cfg, resume=True if ckpt else None, quiet=True, stop_at=stop_at)
+        train(cfg, resume=True if ckpt else None, quiet=True, stop_at=stop_at)
     except FloatingPointError as e:  # the lr is too high: a result that loses the lr selection
         result = {"variant": variant, "seed": seed, "lr": cfg.train.lr, "overrides": sweep["variants"][variant],
                   "diverged": str(e), "final": {}, "evals": {}, "train_time_s": time.time() - t0}
@@ -294,26 +300,28 @@ def _run_locked(sweep, variant, seed, cfg, folder, done, stop_at, log):
         return result
     if stop_at is not None and stop_at < cfg.train.max_steps:
         return None
-    step = checkpoint_step(latest_checkpoint(folder))
-    if step < cfg.train.max_steps and not target_reached(last_eval or {}, cfg.train.stop_at):
-        raise Interrupted(f"[{name}] stopped by a signal at step {step} of {cfg.train.max_steps}; its checkpoint "
-                          f"is kept and running the same command again resumes it")
     model, _ = load_model(latest_checkpoint(folder))
     metrics = read_metrics(folder)
     train_rows = [r for r in metrics if "loss" in r]
     eval_rows = [r for r in metrics if "loss" not in r]
+    step = load_checkpoint(latest_checkpoint(folder))["step"]
+    last = eval_rows[-1] if eval_rows else {}
+    if step < cfg.train.max_steps and not (last.get("step") == step and target_reached(last, cfg.train.stop_at)):
+        raise SweepStopped(f"[{name}] stopped by a signal at step {step} of {cfg.train.max_steps} (checkpoint "
+                           f"saved, no result.json); rerun the same command to resume the sweep")
     tps = sorted(r["tokens_per_s"] for r in train_rows)
     result = {"variant": variant, "seed": seed, "lr": cfg.train.lr, "overrides": sweep["variants"][variant],
               "params": model.num_params(), "train_tokens_per_s": tps[len(tps) // 2] if tps else None,
               "final": eval_rows[-1] if eval_rows else {}, "train_time_s": time.time() - t0, "evals": {}}
-    for name, opts in sweep["evals"].items():
+    for ev_name, opts in sweep["evals"].items():
         t = time.time()
         try:
-            result["evals"][name] = evals.run_eval(name, model, cfg, opts)
+            result["evals"][ev_name] = evals.run_eval(ev_name, model, cfg, opts)
         except ValueError as e:  # e.g. streaming on a model without global attention
-            result["evals"][name] = {"skipped": str(e)}
-        log(f"[{os.path.basename(folder)}] eval {name}: " + ", ".join(
-            f"{k} {v:.4g}" for k, v in evals.scalars(result["evals"][name]).items()) + f" ({time.time() - t:.0f}s)")
+            result["evals"][ev_name] = {"skipped": str(e)}
+        log(f"[{os.path.basename(folder)}] eval {ev_name}: " + (", ".join(
+            f"{k} {v:.4g}" for k, v in evals.scalars(result["evals"][ev_name]).items()) or
+            f"skipped: {result['evals'][ev_name].get('skipped')}") + f" ({time.time() - t:.0f}s)")
     with torch.no_grad():
         result["decode_ms_per_token"] = decode_ms_per_token(model, sweep["decode_ctx"] or cfg.train.seq_len)
     write_json(done, result)
@@ -370,10 +378,11 @@ def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1):
             for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
                 result, error = fut.result()
                 progress(i, futures[fut], result, error)
-        except Interrupted:  # the workers got the signal too: start no queued run
-            for fut in futures:
-                fut.cancel()
-            raise
+        except (KeyboardInterrupt, SweepStopped):  # Ctrl-C reaches every worker: each saves and stops
+            log("stopping: the running runs finish their step and save a checkpoint; no new run starts")
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise SweepStopped("stopped by a signal: runs without result.json resume from their checkpoint; "
+                               "rerun the same command to continue the sweep") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -515,8 +524,10 @@ def make_plots(sweep, results):
 
     def save(fig, name):
         fig.tight_layout()
-        fig.savefig(os.path.join(out, name), dpi=80)
-        plt.close(fig)
+        try:  # atomically: an interrupted report never leaves a torn file
+            atomic_write(os.path.join(out, name), lambda f: fig.savefig(f, dpi=80, format="png"))
+        finally:
+            plt.close(fig)
         made.append(name)
 
     # training loss and the eval metric over steps (plot.py, also for single runs)
@@ -601,8 +612,7 @@ def write_report(sweep):
         lines.append(f"- `{v}`: {' '.join(f'`{o}`' for o in ovs) or 'the base config'}")
     lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
     path = os.path.join(sweep["out_dir"], "results.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
+    atomic_write(path, lambda f: f.write("\n".join(lines)), mode="w")
     return path
 
 
@@ -632,14 +642,15 @@ def main(argv=None):
             if v not in sweep["variants"]:
                 raise SweepError(f"--only: {v!r} is not a variant of {args.sweep} ({', '.join(sweep['variants'])})")
         if not args.report:
+            check_writable(sweep["out_dir"], "--out_dir" if args.out_dir else f"{args.sweep}: out_dir", "folder")
             os.makedirs(sweep["out_dir"], exist_ok=True)
             run_sweep(sweep, log=lambda m: print(m, flush=True), only=only, jobs=args.jobs)
         path = write_report(sweep)
     except (SweepError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Interrupted as e:  # like train.py: the step finished, the checkpoint is saved, exit 0
-        print(f"stopped: {e}", flush=True)
+    except SweepStopped as e:  # like train.py: the step finished, a checkpoint was saved, exit 0
+        print(e)
         return 0
     print(f"report: {path}" if path else "no finished runs yet")
     return 0

@@ -101,6 +101,8 @@ class TrainConfig:
             require(key in STOP_METRICS, f"{path}.stop_at.{key}", f"one of {', '.join(STOP_METRICS)}", key)
             require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{path}.stop_at.{key}",
                     "a number (the target the eval metric must reach)", value)
+            if key.endswith("acc"):  # an accuracy above 1 is never reached: the run would never stop early
+                require(0 < value <= 1, f"{path}.stop_at.{key}", "in (0, 1] (an accuracy)", value)
         N = self.context_parallel
         positive(f"{path}.context_parallel", N)
         require(self.seq_len % (2 * N) == 0, f"{path}.context_parallel",

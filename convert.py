@@ -750,8 +750,16 @@ def from_hf(hf_cfg, tensors):
 
 
 def _fresh_dir(path):
-    refuse(not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)),
+    """--out: a new (or empty) folder that can be written; checked before any work."""
+    from data.tokens import check_writable
+    refuse(not os.path.isfile(path), f"--out: {path} is a file; --out names a new folder")
+    refuse(not os.path.exists(path) or not os.listdir(path),
            f"{path}: already exists and is not empty; choose another --out")
+    check_writable(path, "--out", kind="folder")
+
+
+def _write_failed(path, e):
+    return ConvertError(f"--out {path}: could not be written ({e.strerror or e}); nothing was left behind")
 
 
 def write_hf(folder, hf_cfg, tensors):
@@ -772,6 +780,8 @@ def write_hf(folder, hf_cfg, tensors):
         if os.path.isdir(folder):
             os.rmdir(folder)
         os.replace(tmp, folder)
+    except OSError as e:  # disk full, a folder that went away
+        raise _write_failed(folder, e) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -811,6 +821,7 @@ def read_hf(folder):
 def ckpt_to_hf(ckpt_path, out):
     from config import from_raw
     from train import latest_checkpoint, load_checkpoint
+    _fresh_dir(out)
     if os.path.isdir(ckpt_path):
         folder, ckpt_path = ckpt_path, latest_checkpoint(ckpt_path)
         refuse(ckpt_path is not None, f"{folder}: no checkpoint (ckpt_*.pt) in this folder")
@@ -822,14 +833,21 @@ def ckpt_to_hf(ckpt_path, out):
 
 
 def hf_to_ckpt(folder, out):
-    from data.tokens import atomic_write
+    from data.tokens import DataError, atomic_write
+    _fresh_dir(out)
     hf_cfg, tensors = read_hf(folder)
     family, raw, sd = from_hf(hf_cfg, tensors)
     _fresh_dir(out)
     ckpt = {"version": CKPT_VERSION, "model": sd, "step": 0, "tokens": 0,
             "config": {"model": raw, "train": {"out_dir": out}}, "converted_from": f"{family}:{folder}"}
-    os.makedirs(out, exist_ok=True)
-    atomic_write(os.path.join(out, "ckpt_0.pt"), lambda f: torch.save(ckpt, f))
+    made = not os.path.exists(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+        atomic_write(os.path.join(out, "ckpt_0.pt"), lambda f: torch.save(ckpt, f))
+    except (OSError, DataError) as e:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise e if isinstance(e, DataError) else _write_failed(out, e) from None
     return family
 
 

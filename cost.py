@@ -364,9 +364,11 @@ def report(model_cfg, seq_len, ctx, dtype_bytes=2):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", nargs="?", default=None, help="a YAML config (default: configs/default.yaml)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. --model.n_layer=4")
+    # the config and the overrides are taken by split_args, not argparse: argparse reads an override
+    # with a space (--model.mlp={kind: moe, ...}) as the config path
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="%(prog)s [config.yaml] [--section.key=value ...] [options]",
+                                epilog="config.yaml: default configs/default.yaml; overrides: e.g. --model.n_layer=4")
     p.add_argument("--seq_len", type=int, default=None, help="training sequence length (default: the config's)")
     p.add_argument("--ctx", type=int, default=32768, help="context for the per-layer decode columns")
     p.add_argument("--dtype_bytes", type=int, default=2, help="bytes per weight / cache element (2 = bf16)")
@@ -379,15 +381,16 @@ def main(argv=None):
                                   ("dtype_bytes", args.dtype_bytes in (1, 2, 4), "1, 2 or 4")]:
             if not ok:
                 raise ConfigError(f"--{name}: must be {allowed} (got {getattr(args, name)})")
-        _, overrides, bad = split_args(list(args.overrides) + extra)
+        path, overrides, bad = split_args(extra)
         if bad:
-            raise ConfigError(f"{bad[0]}: overrides look like --section.key=value")
-        cfg = load_config(args.config, overrides)
+            raise ConfigError(f"{bad[0]}: not a config (*.yaml, *.yml) nor an override; overrides look like "
+                              f"--section.key=value")
+        cfg = load_config(path, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     seq_len = args.seq_len or cfg.train.seq_len
-    print(f"{args.config or os.path.relpath(DEFAULT_CONFIG)}: {human(num_params(cfg.model))} parameters "
+    print(f"{path or os.path.relpath(DEFAULT_CONFIG)}: {human(num_params(cfg.model))} parameters "
           f"({human(active_params(cfg.model))} active), "
           f"{human(train_flops_per_token(cfg.model, seq_len))} training FLOPs/token at seq_len {seq_len}, "
           f"{args.dtype_bytes}-byte weights and cache\n")

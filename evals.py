@@ -516,7 +516,7 @@ def check_options(name, options, cfg=None):
     for key, value in options.items():
         if key not in allowed:
             raise ValueError(f"evals.{name}.{key}: unknown option; allowed: {', '.join(allowed)}")
-        test, what = OPTION_RULES[name].get(key, ((lambda v: True), ""))
+        test, what = OPTION_RULES[name].get(key, _at_least(0) if key == "seed" else ((lambda v: True), ""))
         values = value if isinstance(value, (tuple, list)) else [value]
         typed = (lambda v: isinstance(v, str)) if key == "policies" else (
             lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
@@ -526,6 +526,13 @@ def check_options(name, options, cfg=None):
     if name == "streaming" and options.get("n_sinks", 4) >= options.get("budget", 64):
         raise ValueError(f"evals.streaming.budget: must be larger than n_sinks={options.get('n_sinks', 4)} "
                          f"(got {options.get('budget', 64)})")
+    if name == "kv_policies" and "streaming" in options.get("policies", KV_POLICIES):
+        small = [b for b in options.get("budgets", (32, 64)) if isinstance(b, int) and b <= 4]
+        if small:
+            raise ValueError(f"evals.kv_policies.budgets: must be larger than 4 (the sink tokens of policy "
+                             f"streaming; got {small[0]})")
+    if cfg is not None and name in ("palindrome", "stack") and cfg.data.kind != name:
+        raise ValueError(f"evals.{name}: the model was trained on data.kind={cfg.data.kind}, not {name}")
     if cfg is not None and name == "mqar" and _is_text(cfg):
         raise ValueError(f"evals.mqar: the checkpoint was trained on data.kind {cfg.data.kind}, not mqar; "
                          f"use val, needle, length or streaming")
@@ -563,6 +570,13 @@ def _parse_value(default):
     return type(default)
 
 
+def _named(parse, default):
+    """argparse names the type in its message: 'invalid comma-separated float list value: ...'."""
+    if isinstance(default, (tuple, list)):
+        parse.__name__ = f"comma-separated {type(default[0]).__name__ if default else 'float'} list"
+    return parse
+
+
 def first_sentence(doc):
     """The first sentence of a docstring, on one line."""
     text = " ".join(doc.split())
@@ -579,7 +593,7 @@ def main(argv=None):
         sp.add_argument("--device", default="cpu")
         sp.add_argument("--json", action="store_true", help="print the whole result as JSON")
         for key, default in eval_options(name).items():
-            sp.add_argument(f"--{key}", type=_parse_value(default), default=default,
+            sp.add_argument(f"--{key}", type=_named(_parse_value(default), default), default=default,
                             help=f"default {','.join(map(str, default)) if isinstance(default, tuple) else default}")
     args = p.parse_args(argv)
     from data.tokens import DataError
@@ -590,6 +604,9 @@ def main(argv=None):
         check_options(args.eval, options)
         from train import pick_device
         model, cfg = load_model(args.ckpt, pick_device(args.device, "--device"))
+        if getattr(cfg, "converted_from", None):  # its data.kind (stdlib) is a placeholder, not its corpus
+            raise ConfigError(f"evals.{args.eval}: the checkpoint was converted from {cfg.converted_from} and has no "
+                              f"corpus to evaluate on; train from it (--train.init_from) and evaluate that run")
         result = run_eval(args.eval, model, cfg, options)
     except (ConfigError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

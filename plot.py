@@ -49,8 +49,11 @@ def loss_curves(runs, path):
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    from data.tokens import atomic_write
+    try:  # atomically: an interrupted or failed write never leaves a torn PNG
+        atomic_write(path, lambda f: fig.savefig(f, dpi=80, format="png"))
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -59,6 +62,7 @@ def main(argv=None):
     p.add_argument("runs", nargs="+", help="run folders (train.out_dir) holding metrics.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default: <run>/loss_curves.png for one run)")
     a = p.parse_args(argv)
+    from data.tokens import DataError
     runs = {}
     for folder in a.runs:
         rows = read_metrics(folder)
@@ -66,7 +70,9 @@ def main(argv=None):
             print(f"error: {folder}: no metrics.jsonl rows (train.out_dir of a run that logged a step)",
                   file=sys.stderr)
             return 2
-        runs[os.path.basename(os.path.normpath(folder))] = rows
+        name = os.path.basename(os.path.normpath(folder))
+        runs[os.path.normpath(folder) if name in runs or any(
+            os.path.basename(os.path.normpath(f)) == name for f in a.runs if f != folder) else name] = rows
     if a.out is None and len(a.runs) > 1:
         print("error: --out: needed to plot several runs in one figure", file=sys.stderr)
         return 2
@@ -78,6 +84,9 @@ def main(argv=None):
         loss_curves(runs, out)
     except OSError as e:
         print(f"error: --out {out}: cannot write ({e.strerror or e})", file=sys.stderr)
+        return 2
+    except DataError as e:  # the atomic write failed: nothing was left behind
+        print(f"error: --out {e}", file=sys.stderr)
         return 2
     print(out)
     return 0

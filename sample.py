@@ -11,7 +11,9 @@ together by the engine (engine.py: continuous batching, chunked prefill, paged c
     python sample.py --ckpt out/default --prompts_file prompts.jsonl --output out.jsonl --max_batch 16
     python sample.py ... --kv_policy streaming --kv_budget 256 --prefill_chunk 64 --block_size 16
 
-Byte-level checkpoints (vocab 257) use UTF-8 bytes; others need `--tokenizer` (a tiktoken encoding).
+Text is encoded with the checkpoint's corpus tokenizer (bytes for stdlib, the encoding named in a prepared
+corpus's manifest.json); `--tokenizer` (a tiktoken encoding, or bytes) overrides it or fills in where
+the corpus names none.
 """
 import argparse
 import os
@@ -33,6 +35,7 @@ def load_model(path, device="cpu"):
             raise DataError(f"{folder}: no checkpoint (ckpt_*.pt) in this folder")
     ckpt = load_checkpoint(path)
     cfg = from_raw(ckpt["config"])
+    cfg.converted_from = ckpt.get("converted_from")  # convert.py from-hf: no corpus, data.kind a placeholder
     model = GPT(cfg.model)
     try:
         model.load_state_dict(ckpt["model"])
@@ -46,6 +49,9 @@ def make_codec(cfg, tokenizer):
     (bytes for stdlib, the manifest's encoding for prepared shards)."""
     from data import corpus_codec
     from data.prepare import get_encoding
+    if tokenizer is None and getattr(cfg, "converted_from", None):
+        raise ConfigError(f"the checkpoint was converted from {cfg.converted_from} and tokenizers are not converted: "
+                          f"pass --tokenizer NAME (that model's tiktoken encoding, or bytes)")
     if tokenizer is None:
         codec, why = corpus_codec(cfg)
         if codec is None:
@@ -129,6 +135,7 @@ def main(argv=None):
     try:
         from train import pick_device
         args.device = pick_device(args.device, "--device")
+        check_mode_args(args, p)
         args.prompt = read_prompt(args)
         model, cfg = load_model(args.ckpt, args.device)
         encode, decode = make_codec(cfg, args.tokenizer)
@@ -182,8 +189,28 @@ def add_serve_args(p):
     g.add_argument("--kv_budget", type=int, default=None, help="tokens kept / read per global layer (not for full)")
 
 
+SERVE_ONLY = ("output", "max_batch", "prefill_chunk", "block_size", "kv_policy", "kv_budget")
+
+
+def check_mode_args(args, parser):
+    """Options of one mode given in the other are refused rather than silently ignored (an --output
+    that is never written, samples never drawn)."""
+    given = lambda name: getattr(args, name) != parser.get_default(name)
+    if not args.prompts_file:
+        for name in SERVE_ONLY:
+            if given(name):
+                raise ConfigError(f"--{name}: only with --prompts_file (one --prompt streams to stdout)")
+        return
+    for name in ("prompt", "prompt_file", "num_samples"):
+        if given(name):
+            raise ConfigError(f"--{name}: not with --prompts_file (each of its lines is one request, one completion)")
+
+
 def check_serve_args(args):
+    from data.tokens import check_writable
     from engine import KV_POLICIES
+    if args.output:
+        check_writable(args.output, "--output")
     for name in ("max_batch", "prefill_chunk", "block_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name}: must be an integer >= 1 (got {getattr(args, name)})")
@@ -191,6 +218,8 @@ def check_serve_args(args):
         raise ConfigError(f"--kv_policy: must be one of {', '.join(KV_POLICIES)} (got {args.kv_policy!r})")
     if args.kv_policy != "full" and (args.kv_budget is None or args.kv_budget < 1):
         raise ConfigError(f"--kv_budget: an integer >= 1 is needed with --kv_policy {args.kv_policy} (got {args.kv_budget})")
+    if args.kv_policy == "full" and args.kv_budget is not None:
+        raise ConfigError("--kv_budget: not with --kv_policy full (it keeps every token); pick a --kv_policy")
 
 
 def read_requests(path, encode, args):
@@ -229,9 +258,17 @@ def serve_file(args, model, encode, decode):
     from engine import Engine, EngineError
     try:
         reqs, objs = read_requests(args.prompts_file, encode, args)
+    except UnicodeDecodeError as e:
+        print(f"error: --prompts_file {args.prompts_file}: not UTF-8 text (byte {e.start}: "
+              f"{e.object[e.start:e.start + 1]!r})", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: --prompts_file {args.prompts_file}: cannot be read ({e.strerror or e})", file=sys.stderr)
+        return 2
+    try:
         engine = Engine(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, block_size=args.block_size,
                         max_len=args.cache_len, kv_policy=args.kv_policy, kv_budget=args.kv_budget, seed=args.seed)
-    except (OSError, UnicodeDecodeError, EngineError) as e:
+    except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     bad = [r for r in reqs if r.error is not None]
@@ -248,7 +285,11 @@ def serve_file(args, model, encode, decode):
     lines = [json.dumps({**obj, "completion": decode(r.out)}, ensure_ascii=False) + "\n"
              for r, obj in zip(reqs, objs) if r.error is None]
     if args.output:
-        atomic_write(args.output, lambda f: f.writelines(lines), mode="w")
+        try:
+            atomic_write(args.output, lambda f: f.writelines(lines), mode="w")
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     else:
         sys.stdout.writelines(lines)
     n_bad = sum(r.error is not None for r in reqs)

@@ -227,7 +227,8 @@ def _flatten(d, prefix):
     return out
 
 
-def check_model_matches(path, ckpt, cfg, verbose=True, what="resuming"):
+def check_model_matches(path, ckpt, cfg, verbose=True, what="resuming",
+                        hint="resume with the model it was trained with"):
     """A checkpoint resumes only into a model with the same weights (names and shapes), else it is
     refused naming the differing config keys. Settings that change no weight (dsa.stage, window,
     top_k, backend, ...) may change between runs, e.g. DSA's dense_warmup -> sparse; they are listed."""
@@ -246,7 +247,7 @@ def check_model_matches(path, ckpt, cfg, verbose=True, what="resuming"):
         shapes = {k: tuple(v.shape) for k, v in GPT(cfg.model).state_dict().items()}
     if shapes != {k: tuple(v.shape) for k, v in ckpt["model"].items()}:
         raise DataError(f"{path}: the checkpoint's model does not match this config ({'; '.join(diffs[:3])}"
-                        f"{'; ...' if len(diffs) > 3 else ''}); resume with the model it was trained with")
+                        f"{'; ...' if len(diffs) > 3 else ''}); {hint}")
     if verbose and diffs:
         print(f"note: {what} with changed model settings (same weights): {'; '.join(diffs)}")
 
@@ -258,7 +259,9 @@ def init_weights_from(module, path, cfg, verbose=False):
         if path is None:
             raise DataError(f"{folder}: no checkpoint (ckpt_*.pt) to initialise from (train.init_from)")
     ckpt = load_checkpoint(path)
-    check_model_matches(path, ckpt, cfg, verbose, what="init_from")
+    check_model_matches(path, ckpt, cfg, verbose, what="init_from",
+                        hint="train.init_from needs a checkpoint of a model with the same weights (names and "
+                        "shapes); set those keys as in the checkpoint")
     module.load_state_dict(ckpt["model"])
 
 
@@ -509,6 +512,10 @@ class Run:
                 raise
             raise DataError(f"{e}; the earlier {intact} is intact: resume from it with --resume={intact} "
                             f"(and delete {path})") from None
+        if "optimizer" not in ckpt:  # convert.py from-hf writes weights only
+            raise DataError(f"{path}: holds weights only (no optimizer state or data position"
+                            f"{', converted from ' + ckpt['converted_from'] if 'converted_from' in ckpt else ''}): "
+                            f"it cannot be resumed; start a run from it with --train.init_from={path}")
         check_model_matches(path, ckpt, self.cfg, verbose=pg.main and not self.quiet)
         return ckpt, path
 
@@ -789,7 +796,8 @@ def parse_args(argv):
         elif a == "--overwrite":
             overwrite = True
         else:
-            raise ConfigError(f"unknown argument {a!r}; see python train.py --help")
+            hint = " (a config file ends in .yaml or .yml)" if not a.startswith("-") and path is None else ""
+            raise ConfigError(f"unknown argument {a!r}{hint}; see python train.py --help")
     return load_config(path, overrides), resume, overwrite
 
 

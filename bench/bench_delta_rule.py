@@ -174,6 +174,10 @@ def main():
     p.add_argument("--against", default=None, metavar="REV",
                    help="compare the torch path with kernels/torch_delta_rule.py at this git revision")
     args = p.parse_args()
+    for name, value in vars(args).items():  # every size: an integer >= 1 (0 or less was a traceback)
+        if any(isinstance(v, int) and not isinstance(v, bool) and v < 1 for v in (value if isinstance(value, list) else [value])):
+            print(f"error: --{name.replace('_', '-')}: must be integers >= 1 (got {value})", file=sys.stderr)
+            sys.exit(2)
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -77,6 +77,16 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=50, help="decode: timed tokens per context")
     args, overrides = p.parse_known_args(argv)
     try:
+        for name, ok, allowed in [("steps", args.steps >= 1, ">= 1"), ("warmup", args.warmup >= 0, ">= 0"),
+                                  ("tokens", args.tokens >= 1, ">= 1")]:
+            if not ok:
+                raise ConfigError(f"--{name}: must be {allowed} (got {getattr(args, name)})")
+        try:
+            contexts = [int(c) for c in args.contexts.split(",")]
+        except ValueError:
+            contexts = []
+        if not contexts or min(contexts) < 1:
+            raise ConfigError(f"--contexts: comma-separated integers >= 1 (got {args.contexts!r})")
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -85,7 +95,7 @@ def main(argv=None):
     if args.what == "train":
         bench_train(cfg, args.steps, args.warmup)
     else:
-        bench_decode(cfg, [int(c) for c in args.contexts.split(",")], args.tokens)
+        bench_decode(cfg, contexts, args.tokens)
     return 0
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import GPT, ModelConfig  # noqa: E402
+from model import GPT, ConfigError, ModelConfig  # noqa: E402
 from train import make_optimizer  # noqa: E402
 from config import TrainConfig  # noqa: E402
 
@@ -89,7 +89,7 @@ def hybrid_config(kind, args):
               "mla": {"kind": "mla", "n_heads": H, "kv_lora_rank": D, "qk_nope_dim": D // 2,
                       "qk_rope_dim": D // 2, "v_head_dim": D}}
     if kind not in mixers:
-        sys.exit(f"bench_nanogpt: --kinds: unknown kind {kind!r}; allowed: {', '.join(mixers)}")
+        raise ConfigError(f"--kinds: unknown kind {kind!r}; allowed: {', '.join(mixers)}")
     return ModelConfig.from_dict({"vocab_size": args.vocab, "d_model": args.d, "n_layer": args.layers,
                                   "pattern": [kind], "layers": {kind: mixers[kind]}})
 
@@ -115,6 +115,16 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=5, help="interleaved repeats (median reported)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
+    try:  # every shape and kind before any model is built
+        for name in ("d", "layers", "heads", "T", "B", "vocab", "steps", "repeat"):
+            if getattr(args, name) < 1:
+                raise ConfigError(f"--{name}: must be an integer >= 1 (got {getattr(args, name)})")
+        if args.d % args.heads:
+            raise ConfigError(f"--heads: must divide --d={args.d} (got {args.heads})")
+        cfgs = {kind: hybrid_config(kind, args) for kind in args.kinds}
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -122,7 +132,7 @@ def main(argv=None):
     models = {"nanogpt": NanoGPT(args.vocab, args.d, args.layers, args.heads, args.T)}
     opts = {"nanogpt": nano_optimizer(models["nanogpt"], lr)}
     for kind in args.kinds:
-        models[kind] = GPT(hybrid_config(kind, args))
+        models[kind] = GPT(cfgs[kind])
         opts[kind] = make_optimizer(models[kind], TrainConfig(lr=lr))
     x = torch.randint(0, args.vocab, (args.B, args.T))
     y = torch.roll(x, -1, dims=1)
@@ -147,4 +157,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(2 if main() == 2 else 0)

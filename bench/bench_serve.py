@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import load_config  # noqa: E402
-from engine import Engine, Request  # noqa: E402
+from engine import Engine, EngineError, Request  # noqa: E402
 from model import GPT  # noqa: E402
 
 
@@ -56,10 +56,22 @@ def main(argv=None):
     p.add_argument("--prefix", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    for name, lo in [("n_requests", 1), ("max_batch", 1), ("prefill_chunk", 1), ("block_size", 1),
+                     ("max_prompt", 8), ("max_new", 8), ("prefix", 1), ("threads", 1)]:
+        if getattr(args, name) < lo:
+            print(f"error: --{name}: must be an integer >= {lo} (got {getattr(args, name)})", file=sys.stderr)
+            return 2
     torch.set_num_threads(args.threads)
     if args.ckpt:
+        from data.tokens import DataError
+        from model import ConfigError
         from sample import load_model
-        model, _ = load_model(args.ckpt)
+        try:
+            model, _ = load_model(args.ckpt)
+            Engine(model)  # a mixer the engine does not serve: one line, before the timing
+        except (ConfigError, DataError, EngineError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     else:
         torch.manual_seed(0)
         model = GPT(load_config(None, []).model).eval()
@@ -87,6 +99,9 @@ def main(argv=None):
     longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)
     p = model.wte.weight
     layers = [i for g in engine.groups.values() for i in g.layers]
+    if not layers:
+        print("\nno paged layers (every layer keeps a fixed-size delta-rule state): no cache or prefix-sharing figures")
+        return 0
     contiguous = sum(model.blocks[i].mixer.new_cache(args.max_batch, longest, p.device, p.dtype).nbytes() for i in layers)
     per = engine.block_bytes()
     paged = sum(g.pool.peak * per[key] for key, g in engine.groups.items())
@@ -95,6 +110,9 @@ def main(argv=None):
           f"max-length caches {contiguous / 1e6:.2f} MB ({args.max_batch} x {longest} tokens): {contiguous / paged:.1f}x "
           f"less; delta-rule state slots (the same either way): {slots / 1e6:.2f} MB")
 
+    if None not in engine.groups:
+        print("\nno global attention layer: prefix sharing (of global layers' blocks) is not measured")
+        return 0
     prefix = torch.randint(0, V, (args.prefix,), generator=torch.Generator().manual_seed(1)).tolist()
     allocs = {}
     for sharing in (True, False):
@@ -112,4 +130,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

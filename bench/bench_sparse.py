@@ -42,7 +42,12 @@ def parse_args():
     p.add_argument("--index-heads", type=int, default=64)
     p.add_argument("--index-dim", type=int, default=128)
     p.add_argument("--cpu-T", type=int, nargs="+", default=[1024, 2048], help="T for the CPU figures")
-    return p.parse_args()
+    args = p.parse_args()
+    for name, value in vars(args).items():  # every size: an integer >= 1 (0 or less was a traceback)
+        if any(isinstance(v, int) and not isinstance(v, bool) and v < 1 for v in (value if isinstance(value, list) else [value])):
+            print(f"error: --{name.replace('_', '-')}: must be integers >= 1 (got {value})", file=sys.stderr)
+            sys.exit(2)
+    return args
 
 
 def nsa_blocks(B, T, Hkv, n_sel, block_size, device, generator):

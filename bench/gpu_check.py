@@ -216,8 +216,15 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")          # before triton is first imported
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
+    from data.tokens import DataError, atomic_write, check_writable
+    try:  # before minutes of GPU work, not after
+        check_writable(args.out, "--out")
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; run on a GPU, or pass --dry-run to check the driver on CPU")
+        print("error: gpu_check: no CUDA device; run on a GPU, or pass --dry-run to check the driver on CPU",
+              file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     report = {"device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(),
@@ -244,8 +251,12 @@ def main(argv=None):
     report["failed"] = failed
     report["ok"] = not failed
     report["wall_s"] = time.perf_counter() - t_start
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    try:
+        atomic_write(args.out, lambda f: json.dump(report, f, indent=2), mode="w")
+    except DataError as e:  # the report still reaches the terminal
+        print(json.dumps(report, indent=2))
+        print(f"error: {e}; the report is printed above", file=sys.stderr)
+        return 2
     print(f"wrote {args.out} in {report['wall_s']:.0f} s: " + ("all checks passed" if not failed else
                                                               "FAILED: " + "; ".join(failed)))
     return 0 if not failed else 1

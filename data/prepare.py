@@ -32,7 +32,7 @@ if __name__ == "__main__":  # python data/prepare.py: make the repository root i
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from data.tokens import DataError, write_json, write_tokens  # noqa: E402
+from data.tokens import DataError, check_writable, write_json, write_tokens  # noqa: E402
 
 MANIFEST = "manifest.json"
 _ENC = None  # the encoding of a worker process
@@ -73,8 +73,9 @@ def get_encoding(encoding):
     import tiktoken
     try:
         return tiktoken.get_encoding(encoding)
-    except ValueError as e:
-        raise DataError(f"--tokenizer {encoding}: {str(e).splitlines()[0]} (or bytes)") from None
+    except ValueError:
+        raise DataError(f"--tokenizer {encoding}: not a tiktoken encoding; one of "
+                        f"{', '.join(tiktoken.list_encoding_names())}, or bytes") from None
     except Exception as e:  # requests / urllib errors: no network, proxy, DNS
         raise DataError(f"--tokenizer {encoding}: the encoding file could not be downloaded "
                         f"({type(e).__name__}); {OFFLINE_HINT}") from None
@@ -251,14 +252,27 @@ def main(argv=None):
     p.add_argument("--batch_docs", type=int, default=64, help="documents per worker task")
     a = p.parse_args(argv)
     try:
+        for name, ok, allowed in [("max_tokens", a.max_tokens is None or a.max_tokens >= 1, ">= 1"),
+                                  ("shard_tokens", a.shard_tokens >= 1, ">= 1"),
+                                  ("val_tokens", a.val_tokens >= 1, ">= 1 (training evaluates on val_000.bin)"),
+                                  ("workers", a.workers is None or a.workers >= 1, ">= 1"),
+                                  ("batch_docs", a.batch_docs >= 1, ">= 1")]:
+            if not ok:
+                raise DataError(f"--{name}: must be {allowed} (got {getattr(a, name):g})")
+        check_writable(a.out, "--out", kind="folder")
         if a.files:
             docs, source = file_docs(a.files), {"files": a.files}
         else:
             docs = hub_docs(a.dataset, a.name, a.split, a.text_field)
             source = {"dataset": a.dataset, "name": a.name, "split": a.split, "text_field": a.text_field}
-        prepare(docs, a.out, a.tokenizer, source, max_tokens=None if a.max_tokens is None else int(a.max_tokens),
-                shard_tokens=int(a.shard_tokens), val_tokens=int(a.val_tokens), workers=a.workers,
-                batch_docs=a.batch_docs)
+        manifest = prepare(docs, a.out, a.tokenizer, source,
+                           max_tokens=None if a.max_tokens is None else int(a.max_tokens),
+                           shard_tokens=int(a.shard_tokens), val_tokens=int(a.val_tokens), workers=a.workers,
+                           batch_docs=a.batch_docs)
+        if not any(sh["file"].startswith("train") for sh in manifest["shards"]):
+            raise DataError(f"{a.out}: no train shard, every document went to val (the first documents, whole, up "
+                            f"to --val_tokens {a.val_tokens:g}; one file is one document): training cannot use it; "
+                            f"prepare into a new --out with a smaller --val_tokens or more documents")
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

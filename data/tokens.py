@@ -21,6 +21,23 @@ class DataError(ValueError):
     """A missing, corrupt or incompatible data file. The message is one line."""
 
 
+def check_writable(path, what, kind="file"):
+    """Refuse (one DataError line) an output that cannot be written, before any work is done: `path`
+    a file to write (its folder must exist) or, kind "folder", a folder to create or fill."""
+    path = os.path.abspath(path)
+    if kind == "file" and os.path.isdir(path):
+        raise DataError(f"{what}: {path} is a folder, not a file")
+    if kind == "file" and not os.path.exists(os.path.dirname(path)):
+        raise DataError(f"{what}: the folder {os.path.dirname(path)} does not exist")
+    existing = path if kind == "folder" else os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise DataError(f"{what}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(f"{what}: {existing} is not writable")
+
+
 def atomic_write(path, write, mode="wb"):
     """Write a file so that a kill at any moment leaves either the old file or the new one: write(f)
     into a temporary file beside it, fsync, rename over `path`, fsync the folder (the rename).

@@ -169,34 +169,3 @@ def test_best_lr_is_the_best_mean_over_seeds():
     assert ablate.best_lr({}, [res(1e-3, 0.2), res(1e-2, 0, diverged=True)], ("val_loss", False))[0] == 1e-3
     assert ablate.mean_pm([1.0, 0.5]) == "0.75 ± 0.35" and ablate.mean_pm([None]) == "–"
 
-
-def test_a_signal_stops_the_sweep_without_a_result_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
-    """SIGTERM during a run: train saves and returns; the sweep records no result for the unfinished run,
-    starts no further run, says so and exits 0; the same command then resumes it and finishes."""
-    import signal
-
-    import train as train_mod
-    real = train_mod.make_dataset
-
-    def make_dataset(*a, **kw):  # SIGTERM inside the 3rd step of the first run
-        data = real(*a, **kw)
-        nb, n = data.next_batch, [0]
-
-        def next_batch():
-            n[0] += 1
-            if n[0] == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return nb()
-        data.next_batch = next_batch
-        return data
-    monkeypatch.setattr(train_mod, "make_dataset", make_dataset)
-    path = write_sweep(tmp_path, SWEEP.replace("  hybrid: {model.pattern: [kda, attn]}\n", ""))
-    assert ablate.main([path]) == 0
-    out = capsys.readouterr().out
-    assert "stopped: [attn-s0] stopped by a signal at step 3 of 12" in out and "report:" not in out
-    folder = tmp_path / "out" / "attn-s0"
-    assert (folder / "ckpt_3.pt").exists() and not (folder / "result.json").exists()
-    monkeypatch.undo()
-    assert ablate.main([path]) == 0
-    assert "resuming from ckpt_3.pt" in capsys.readouterr().out
-    assert json.loads((folder / "result.json").read_text())["final"]["step"] == 12

@@ -103,10 +103,11 @@ def test_task_evals_count_labelled_positions_and_whole_sequences(tmp_path):
 def test_stop_at_stops_after_the_first_eval_that_reaches_it(tmp_path):
     metrics = train(task_config("palindrome", tmp_path / "a", stop_at={"val_loss": 100.0}), quiet=True)
     assert sorted(os.listdir(tmp_path / "a")) == ["ckpt_30.pt", "metrics.jsonl"] and "val_acc" in metrics
-    train(task_config("palindrome", tmp_path / "b", max_steps=30, stop_at={"val_acc": 1.01}), quiet=True)
+    train(task_config("palindrome", tmp_path / "b", max_steps=30, stop_at={"val_loss": 1e-9}), quiet=True)
     assert os.path.exists(tmp_path / "b" / "ckpt_30.pt")     # never reached: runs to max_steps
     for stop, message in [({"val_bpb": 1.0}, "train.stop_at.val_bpb: must be a metric data.kind=palindrome"),
                           ({"accuracy": 1.0}, "train.stop_at.accuracy: must be one of val_acc"),
-                          ({"val_acc": "high"}, "train.stop_at.val_acc: must be a number")]:
+                          ({"val_acc": "high"}, "train.stop_at.val_acc: must be a number"),
+                          ({"val_acc": 99}, r"train.stop_at.val_acc: must be in \(0, 1\] \(an accuracy\)")]:
         with pytest.raises(ConfigError, match=message):
             task_config("palindrome", tmp_path, stop_at=stop)
