@@ -31,13 +31,18 @@ class DataConfig:
     n_pairs: int = 8                    # mqar: key-value pairs per sequence
     mqar_vocab: Optional[int] = None    # mqar, palindrome, stack: tokens used (null = model.vocab_size)
     pack: bool = False                  # stdlib/bin: rows of whole documents, boundaries to the model
+    mqar_mix: list = field(default_factory=list)  # mqar: train on [[length, n_pairs], ...] (Zoology's
+    #                                     mixture, shorter rows zero-padded); eval stays at seq_len, n_pairs
 
     def check(self, path, model):
         require(self.kind in DATA_KINDS, f"{path}.kind", f"one of {', '.join(DATA_KINDS)}", self.kind)
         require(self.kind != "bin" or self.dir, f"{path}.dir", "a folder of prepared shards when kind is bin", self.dir)
         positive(f"{path}.n_pairs", self.n_pairs)
-        require(not self.pack or self.kind != "mqar", f"{path}.pack", "false for mqar (it packs text corpora)",
-                self.pack)
+        require(not self.pack or self.kind not in SYNTHETIC_KINDS, f"{path}.pack",
+                f"false for {self.kind} (it packs text corpora)", self.pack)
+        for item in self.mqar_mix:
+            require(isinstance(item, (list, tuple)) and len(item) == 2 and all(type(v) is int and v > 0 for v in item),
+                    f"{path}.mqar_mix", "a list of [length, n_pairs] pairs of positive ints", self.mqar_mix)
         if self.mqar_vocab is not None:
             require(4 <= self.mqar_vocab <= model.vocab_size, f"{path}.mqar_vocab",
                     f"between 4 and model.vocab_size={model.vocab_size}", self.mqar_vocab)

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from data.mqar import mqar_accuracy, mqar_batch
+from data.mqar import mqar_accuracy, mqar_batch, mqar_mix_batch
 from data.tasks import palindrome_batch, stack_batch
 from data.tokens import DataError, PackedLoader, TokenLoader, open_split
 
@@ -54,8 +54,11 @@ class TextData:
         return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2) * self.tokens_per_byte}
 
 
-def synthetic_batches(d, vocab, seq_len):
-    """make(n, seed) -> x, y [n, seq_len] for a synthetic data kind (mqar, palindrome, stack)."""
+def synthetic_batches(d, vocab, seq_len, train=False):
+    """make(n, seed) -> x, y [n, seq_len] for a synthetic data kind (mqar, palindrome, stack);
+    train=True: MQAR draws from data.mqar_mix when it is set."""
+    if d.kind == "mqar" and train and d.mqar_mix:
+        return lambda n, seed: mqar_mix_batch(n, seq_len, d.mqar_mix, vocab, seed)
     if d.kind == "mqar":
         return lambda n, seed: mqar_batch(n, seq_len, d.n_pairs, vocab, seed)[:2]
     fn = {"palindrome": palindrome_batch, "stack": stack_batch}[d.kind]
@@ -66,13 +69,14 @@ class SyntheticData:
     """A synthetic task (MQAR, Palindrome, Stack); batch i is generated from seed (seed, i): resumable
     exactly. Eval: loss and accuracy at the labelled positions."""
 
-    def __init__(self, make, batch_size, seq_len, seed, rank=0, world=1):
+    def __init__(self, make, batch_size, seq_len, seed, rank=0, world=1, make_train=None):
         self.make, self.B, self.T, self.seed = make, batch_size, seq_len, seed
+        self.make_train = make_train or make   # training batches (the MQAR mixture), else as eval
         self.rank, self.world, self.index = rank, world, 0
-        make(1, 0)  # refuse impossible settings now
+        make(1, 0), self.make_train(1, 0)  # refuse impossible settings now
 
     def next_batch(self):
-        x, y = self.make(self.world * self.B, [self.seed, self.index])
+        x, y = self.make_train(self.world * self.B, [self.seed, self.index])
         self.index += 1
         rows = slice(self.rank * self.B, (self.rank + 1) * self.B)
         return x[rows], y[rows]
@@ -131,8 +135,9 @@ def make_dataset(cfg, rank=0, world=1):
                           f"global micro-batch, split across ranks) (got {t.batch_size})")
     B = t.batch_size // world
     if d.kind in SYNTHETIC_KINDS:
-        return SyntheticData(synthetic_batches(d, d.mqar_vocab or m.vocab_size, t.seq_len), B, t.seq_len, t.seed,
-                             rank, world)
+        V = d.mqar_vocab or m.vocab_size
+        return SyntheticData(synthetic_batches(d, V, t.seq_len), B, t.seq_len, t.seed, rank, world,
+                             synthetic_batches(d, V, t.seq_len, train=True))
     if d.kind == "stdlib":
         from data.stdlib import prepare_stdlib
         folder = prepare_stdlib(d.dir, quiet=rank != 0)

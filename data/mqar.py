@@ -36,6 +36,22 @@ def mqar_batch(batch_size, seq_len, n_pairs, vocab_size, seed, power_a=0.01):
     return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(dist)
 
 
+def mqar_mix_batch(batch_size, seq_len, settings, vocab_size, seed):
+    """Zoology's training mixture: each row is an MQAR sequence of one (length, n_pairs) of `settings`,
+    drawn uniformly, zero-padded to seq_len (padding targets -1) -> inputs, targets [B, seq_len]."""
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(len(settings), size=batch_size)
+    x = torch.zeros(batch_size, seq_len, dtype=torch.int64)
+    y = torch.full((batch_size, seq_len), -1, dtype=torch.int64)
+    for i, (length, n_pairs) in enumerate(settings):
+        if length > seq_len:
+            raise ValueError(f"mqar: a mixture length {length} exceeds seq_len={seq_len}")
+        rows = torch.from_numpy(np.nonzero(pick == i)[0])
+        xi, yi, _ = mqar_batch(len(rows), length, n_pairs, vocab_size, rng.integers(2 ** 63))
+        x[rows, :length], y[rows, :length] = xi, yi
+    return x, y
+
+
 def mqar_accuracy(logits, targets):
     """Fraction of labelled positions whose argmax is the target."""
     mask = targets >= 0

@@ -7,7 +7,7 @@ import torch
 
 from config import from_raw
 from data import TextData, make_dataset
-from data.mqar import mqar_accuracy, mqar_batch
+from data.mqar import mqar_accuracy, mqar_batch, mqar_mix_batch
 from data.stdlib import EOT, decode, encode, prepare_stdlib
 from data.tokens import HEADER_BYTES, DataError, TokenFile, TokenLoader, open_split, write_tokens
 
@@ -118,3 +118,26 @@ def test_mqar_structure():
     assert mqar_accuracy(logits, y) == 1.0
     with pytest.raises(ValueError, match="too short"):
         mqar_batch(1, 20, 8, 64, 0)
+
+
+def test_mqar_mixture_trains_on_padded_settings_and_evaluates_on_the_target(tmp_path):
+    x, y = mqar_mix_batch(64, 128, [[64, 4], [128, 8]], 64, seed=[0, 1])
+    short = (y[:, 64:] < 0).all(1) & ((y >= 0).sum(1) == 4)      # (64, 4) rows: 4 queries, zero tail
+    long = (y >= 0).sum(1) == 8
+    assert (short | long).all() and 16 < short.sum() < 48
+    assert (x[short, 64:] == 0).all()
+    for b in range(64):   # every labelled position is a key whose value is the label
+        n = (y[b] >= 0).sum().item()
+        kv = dict(zip(x[b, 0:2 * n:2].tolist(), x[b, 1:2 * n:2].tolist()))
+        assert all(kv[x[b, t].item()] == y[b, t].item() for t in (y[b] >= 0).nonzero().flatten())
+    with pytest.raises(ValueError, match="mixture length 256 exceeds seq_len=128"):
+        mqar_mix_batch(2, 128, [[256, 8]], 64, 0)
+    cfg = from_raw({"model": {"vocab_size": 64, "d_model": 16, "n_layer": 1, "pattern": ["a"],
+                              "layers": {"a": {"kind": "attn", "n_heads": 2}}},
+                    "data": {"kind": "mqar", "n_pairs": 8, "mqar_mix": [[64, 4]]},
+                    "train": {"batch_size": 4, "seq_len": 128, "device": "cpu", "out_dir": str(tmp_path)}})
+    data = make_dataset(cfg)
+    _, y_train = data.next_batch()
+    assert ((y_train >= 0).sum(1) == 4).all() and (y_train[:, 64:] < 0).all()    # the mixture
+    _, y_val = data.make(4, [0, 10 ** 9])
+    assert ((y_val >= 0).sum(1) == 8).all()                                        # the target
