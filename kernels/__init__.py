@@ -34,6 +34,8 @@ def check_cu_seqlens(cu_seqlens, B, N, op="cu_seqlens"):
         raise ValueError(f"{op}: cu_seqlens must be a 1-D int32 (or int64) tensor [n_docs + 1], got "
                          f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
                          f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if torch.compiler.is_compiling():   # reading the values would break the graph: checked in eager runs only
+        return cu_seqlens.long()
     cu = cu_seqlens.tolist()
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != N or any(b < a for a, b in zip(cu, cu[1:])):
         shown = cu if len(cu) <= 8 else cu[:4] + ["..."] + cu[-3:]
