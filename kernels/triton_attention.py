@@ -528,7 +528,7 @@ def _on_device(x):
 
 
 # --------------------------------------------------------------------------- torch.library ops
-# Registered ops (SPEC 7): torch.compile sees one opaque node per launch, with a fake (meta) impl that
+# Registered ops: torch.compile sees one opaque node per launch, with a fake (meta) impl that
 # gives its output shapes and a registered autograd, so a compiled model has no graph break here.
 
 @torch.library.custom_op("hybrid::attn_fwd", mutates_args=())

@@ -760,7 +760,7 @@ def _chunk_backward(q, k, v, beta, g_dtype, scale, saved, do, d_final_state, doc
     return dq, dk, dv, dg, dbeta, dh0
 
 
-# torch.library ops (SPEC 7): one opaque node for the forward and one for the backward under torch.compile,
+# torch.library ops: one opaque node for the forward and one for the backward under torch.compile,
 # with fake (meta) impls for their shapes and a registered autograd: no graph break. The forward also
 # returns what the backward needs (the `saved` intermediates); they carry no gradient.
 

@@ -195,7 +195,7 @@ def _mla_args(q, kv, indices, d_v):
     return grid, shape, consts
 
 
-# torch.library ops (SPEC 7): opaque to torch.compile, fake impls for shapes, registered autograd.
+# torch.library ops: opaque to torch.compile, fake impls for shapes, registered autograd.
 
 @torch.library.custom_op("hybrid::sparse_mla_fwd", mutates_args=())
 def _sparse_mla_fwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int,

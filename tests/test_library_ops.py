@@ -100,7 +100,7 @@ def test_paged_decode_op():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", [["kda", "mla"], ["gdn", "attn"]])
+@pytest.mark.parametrize("pattern", [["kda", "mla"], ["gdn", "attn"], ["nsa"], ["dsa"]])
 def test_triton_model_compiles_fullgraph(pattern):
     """A hybrid model on the triton backend compiles with fullgraph=True (no graph break: every kernel is
     one registered op) and its loss and gradients equal eager's. aot_eager: the graph capture, fake
@@ -108,8 +108,14 @@ def test_triton_model_compiles_fullgraph(pattern):
     layers = {"kda": {"kind": "kda", "n_heads": 2, "head_dim": 16}, "gdn": {"kind": "gdn", "n_heads": 2, "head_dim": 16},
               "mla": {"kind": "mla", "n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_dim": 8,
                       "qk_rope_dim": 8, "v_head_dim": 8, "rope": False},
-              "attn": {"kind": "attn", "n_heads": 2, "n_kv_heads": 1}}
-    cfg = ModelConfig.from_dict(dict(vocab_size=32, d_model=32, n_layer=2, pattern=pattern, backend="triton",
+              "attn": {"kind": "attn", "n_heads": 2, "n_kv_heads": 1},
+              "nsa": {"kind": "nsa", "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "cmp_block": 4, "cmp_stride": 4,
+                      "sel_block": 4, "n_sel": 2, "window": 4},
+              "dsa": {"kind": "mla", "n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_dim": 8,
+                      "qk_rope_dim": 8, "v_head_dim": 8,
+                      "dsa": {"n_heads": 2, "head_dim": 16, "rope_dim": 8, "top_k": 4, "stage": "sparse"}}}
+    cfg = ModelConfig.from_dict(dict(vocab_size=32, d_model=32, n_layer=len(pattern), pattern=pattern,
+                                     backend="triton",
                                      layers={p: layers[p] for p in pattern}, mlp={"kind": "swiglu", "hidden": 64}))
     torch.manual_seed(0)
     model = GPT(cfg)
