@@ -110,7 +110,7 @@ def test_triton_model_compiles_fullgraph(pattern):
                       "qk_rope_dim": 8, "v_head_dim": 8, "rope": False},
               "attn": {"kind": "attn", "n_heads": 2, "n_kv_heads": 1},
               "nsa": {"kind": "nsa", "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "cmp_block": 4, "cmp_stride": 4,
-                      "sel_block": 4, "n_sel": 2, "window": 4},
+                      "sel_block": 4, "n_sel": 3, "window": 4},
               "dsa": {"kind": "mla", "n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_dim": 8,
                       "qk_rope_dim": 8, "v_head_dim": 8,
                       "dsa": {"n_heads": 2, "head_dim": 16, "rope_dim": 8, "top_k": 4, "stage": "sparse"}}}
