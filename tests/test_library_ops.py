@@ -105,7 +105,8 @@ def test_triton_model_compiles_fullgraph(pattern):
     """A hybrid model on the triton backend compiles with fullgraph=True (no graph break: every kernel is
     one registered op) and its loss and gradients equal eager's. aot_eager: the graph capture, fake
     impls and registered autograd are what is tested, not Inductor's code generation."""
-    layers = {"kda": {"kind": "kda", "n_heads": 2, "head_dim": 16}, "gdn": {"kind": "gdn", "n_heads": 2, "head_dim": 16},
+    layers = {"kda": {"kind": "kda", "n_heads": 2, "head_dim": 16},
+              "gdn": {"kind": "gdn", "n_heads": 2, "head_dim": 16},
               "mla": {"kind": "mla", "n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_dim": 8,
                       "qk_rope_dim": 8, "v_head_dim": 8, "rope": False},
               "attn": {"kind": "attn", "n_heads": 2, "n_kv_heads": 1},
