@@ -6,6 +6,9 @@
 
 Every op takes and returns [B, T, H, D] tensors (time before heads). See SPEC 0.3.
 
+The Triton paths launch through torch.library ops (torch.ops.hybrid.*, registered in triton_*.py with
+fake impls and autograd), so torch.compile captures them without a graph break.
+
 Packed documents (varlen, the flash-attention / flash-linear-attention convention): `cu_seqlens`
 int32 [n_docs + 1] = (0, end of every document, N) with B == 1 and the documents laid end to end in
 time. A document boundary resets the causal range (attention) or the state (delta rule, linear
