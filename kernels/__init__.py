@@ -6,6 +6,9 @@
 
 Every op takes and returns [B, T, H, D] tensors (time before heads). See SPEC 0.3.
 
+The Triton paths launch through torch.library ops (torch.ops.hybrid.*, registered in triton_*.py with
+fake impls and autograd), so torch.compile captures them without a graph break.
+
 Packed documents (varlen, the flash-attention / flash-linear-attention convention): `cu_seqlens`
 int32 [n_docs + 1] = (0, end of every document, N) with B == 1 and the documents laid end to end in
 time. A document boundary resets the causal range (attention) or the state (delta rule, linear
@@ -34,6 +37,8 @@ def check_cu_seqlens(cu_seqlens, B, N, op="cu_seqlens"):
         raise ValueError(f"{op}: cu_seqlens must be a 1-D int32 (or int64) tensor [n_docs + 1], got "
                          f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
                          f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if torch.compiler.is_compiling():   # reading the values would break the graph: checked in eager runs only
+        return cu_seqlens.long()
     cu = cu_seqlens.tolist()
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != N or any(b < a for a, b in zip(cu, cu[1:])):
         shown = cu if len(cu) <= 8 else cu[:4] + ["..."] + cu[-3:]

@@ -518,8 +518,7 @@ def _backward(do, q, k, v, o, lse2, window, sinks, scale, docs=(None, None)):
 def attention_triton_fwd(q, k, v, *, window=None, sinks=None, scale=None):
     """Forward only (no autograd). Returns (o [B,T,Hq,Dv] in q's dtype,
     lse [B,Hq,T] fp32: natural-log log-sum-exp of each row's logits, sink included)."""
-    with _on_device(q):
-        o, lse2 = _forward(q, k, v, window, sinks, scale)
+    o, lse2 = _attn_fwd_op(q, k, v, sinks, window, scale, None, None)
     return o, lse2 * LN2
 
 
@@ -528,22 +527,54 @@ def _on_device(x):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-class _TritonAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, window, scale, cu_seqlens):
-        docs = _doc_bounds(cu_seqlens, k.shape[1])
-        with _on_device(q):
-            o, lse2 = _forward(q, k, v, window, sinks, scale, docs)
-        ctx.save_for_backward(q, k, v, sinks, o, lse2, *docs)
-        ctx.window, ctx.scale = window, scale
-        return o
+# --------------------------------------------------------------------------- torch.library ops
+# Registered ops: torch.compile sees one opaque node per launch, with a fake (meta) impl that
+# gives its output shapes and a registered autograd, so a compiled model has no graph break here.
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, sinks, o, lse2, doc_start, doc_end = ctx.saved_tensors
-        with _on_device(q):
-            dq, dk, dv, d_sinks = _backward(do, q, k, v, o, lse2, ctx.window, sinks, ctx.scale, (doc_start, doc_end))
-        return dq, dk, dv, d_sinks, None, None, None
+@torch.library.custom_op("hybrid::attn_fwd", mutates_args=())
+def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, window: int | None,
+                 scale: float | None, doc_start: torch.Tensor | None, doc_end: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    with _on_device(q):
+        return _forward(q, k, v, window, sinks, scale, (doc_start, doc_end))
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, sinks, window, scale, doc_start, doc_end):
+    B, T, Hq, _ = q.shape
+    return q.new_empty(B, T, Hq, v.shape[3]), q.new_empty(B, Hq, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("hybrid::attn_bwd", mutates_args=())
+def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse2: torch.Tensor, sinks: torch.Tensor | None, window: int | None, scale: float | None,
+                 doc_start: torch.Tensor | None, doc_end: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    with _on_device(q):
+        dq, dk, dv, d_sinks = _backward(do, q, k, v, o, lse2, window, sinks, scale, (doc_start, doc_end))
+    return dq, dk, dv, (d_sinks if d_sinks is not None else q.new_empty(0))   # an op returns tensors only
+
+
+@_attn_bwd_op.register_fake
+def _(do, q, k, v, o, lse2, sinks, window, scale, doc_start, doc_end):
+    d_sinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), d_sinks
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v, sinks, window, scale, doc_start, doc_end = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(q, k, v, sinks, *output, doc_start, doc_end)
+    ctx.window, ctx.scale = window, scale
+
+
+def _attn_grad(ctx, do, _dlse2):
+    q, k, v, sinks, o, lse2, doc_start, doc_end = ctx.saved_tensors
+    dq, dk, dv, d_sinks = _attn_bwd_op(do, q, k, v, o, lse2, sinks, ctx.window, ctx.scale, doc_start, doc_end)
+    return dq, dk, dv, (d_sinks if sinks is not None else None), None, None, None, None
+
+
+torch.library.register_autograd("hybrid::attn_fwd", _attn_grad, setup_context=_attn_setup)
 
 
 def attention_triton(q, k, v, *, window=None, sinks=None, scale=None, cu_seqlens=None):
@@ -553,4 +584,7 @@ def attention_triton(q, k, v, *, window=None, sinks=None, scale=None, cu_seqlens
     cu_seqlens: int64 [n_docs + 1] packed documents (B == 1, T == S; checked by the caller) or None.
     Any strides are accepted (nothing is copied).
     """
-    return _TritonAttention.apply(q, k, v, sinks, window, scale, cu_seqlens)
+    doc_start, doc_end = _doc_bounds(cu_seqlens, k.shape[1])
+    window = None if window is None else int(window)
+    scale = None if scale is None else float(scale)
+    return _attn_fwd_op(q, k, v, sinks, window, scale, doc_start, doc_end)[0]

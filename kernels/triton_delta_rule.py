@@ -760,29 +760,67 @@ def _chunk_backward(q, k, v, beta, g_dtype, scale, saved, do, d_final_state, doc
     return dq, dk, dv, dg, dbeta, dh0
 
 
-class _ChunkDeltaRule(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, doc):
-        o, final_state, saved = _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, doc)
-        ctx.save_for_backward(q, k, v, beta, doc, *saved)
-        ctx.scale = scale
-        ctx.g_dtype = g.dtype
-        ctx.has_initial_state = initial_state is not None
-        ctx.initial_state_dtype = None if initial_state is None else initial_state.dtype
-        if final_state is not None:
-            return o, final_state
-        return o, None
+# torch.library ops: one opaque node for the forward and one for the backward under torch.compile,
+# with fake (meta) impls for their shapes and a registered autograd: no graph break. The forward also
+# returns what the backward needs (the `saved` intermediates); they carry no gradient.
 
-    @staticmethod
-    def backward(ctx, do, d_final_state):
-        q, k, v, beta, doc, *saved = ctx.saved_tensors
-        do = do.contiguous()
-        if d_final_state is not None:
-            d_final_state = d_final_state.contiguous().float()
-        dq, dk, dv, dg, dbeta, dh0 = _chunk_backward(q, k, v, beta, ctx.g_dtype, ctx.scale, saved, do,
-                                                     d_final_state, doc)
-        dh0 = dh0.to(ctx.initial_state_dtype) if ctx.has_initial_state else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+@torch.library.custom_op("hybrid::delta_rule_fwd", mutates_args=())
+def _delta_rule_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       scale: float, initial_state: torch.Tensor | None, output_final_state: bool,
+                       doc: torch.Tensor | None) -> list[torch.Tensor]:
+    o, final_state, saved = _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, doc)
+    return [o, final_state if output_final_state else q.new_empty(0, dtype=torch.float32), *saved]
+
+
+@_delta_rule_fwd_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, doc):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = (T + CHUNK - 1) // CHUNK
+    T_pad = NT * CHUNK
+    f32 = dict(dtype=torch.float32)
+    final_state = q.new_empty(B, H, K, V, **f32) if output_final_state else q.new_empty(0, **f32)
+    return [q.new_empty(B, T, H, V, dtype=v.dtype), final_state,
+            q.new_empty(B, T_pad, H, K, **f32), *(q.new_empty(B, T_pad, H, CHUNK, **f32) for _ in range(3)),
+            q.new_empty(B, T_pad, H, K, **f32), q.new_empty(B, T_pad, H, V, **f32), q.new_empty(B, H, NT, K, V, **f32)]
+
+
+@torch.library.custom_op("hybrid::delta_rule_bwd", mutates_args=())
+def _delta_rule_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g_dtype: torch.dtype,
+                       scale: float, saved: list[torch.Tensor], do: torch.Tensor, d_final_state: torch.Tensor | None,
+                       doc: torch.Tensor | None) -> list[torch.Tensor]:
+    return list(_chunk_backward(q, k, v, beta, g_dtype, scale, saved, do.contiguous(), d_final_state, doc))
+
+
+@_delta_rule_bwd_op.register_fake
+def _(q, k, v, beta, g_dtype, scale, saved, do, d_final_state, doc):
+    B, T, H, K = q.shape
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, H, K, dtype=g_dtype),
+            torch.empty_like(beta), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)]
+
+
+def _delta_rule_setup(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, output_final_state, doc = inputs
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.save_for_backward(q, k, v, beta, doc, *output[2:])
+    ctx.scale, ctx.g_dtype = scale, g.dtype
+    ctx.initial_state_dtype = None if initial_state is None else initial_state.dtype
+
+
+def _delta_rule_grad(ctx, grads):
+    do, d_final_state = grads[0], grads[1]
+    q, k, v, beta, doc, *saved = ctx.saved_tensors
+    if d_final_state is not None and d_final_state.numel() == 0:   # no final state was asked for
+        d_final_state = None
+    if d_final_state is not None:
+        d_final_state = d_final_state.contiguous().float()
+    dq, dk, dv, dg, dbeta, dh0 = _delta_rule_bwd_op(q, k, v, beta, ctx.g_dtype, ctx.scale, saved, do,
+                                                    d_final_state, doc)
+    dh0 = dh0.to(ctx.initial_state_dtype) if ctx.initial_state_dtype is not None else None
+    return dq, dk, dv, dg, dbeta, None, dh0, None, None
+
+
+torch.library.register_autograd("hybrid::delta_rule_fwd", _delta_rule_grad, setup_context=_delta_rule_setup)
 
 
 def _check(q, k, v, g, beta):
@@ -817,14 +855,31 @@ def delta_rule_triton(q, k, v, g, beta, *, scale=None, initial_state=None, outpu
         initial_state = initial_state.float().contiguous()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     doc = None if cu_seqlens is None else _doc_rows(cu_seqlens, triton.cdiv(T, CHUNK) * CHUNK)
-    o, final_state = _ChunkDeltaRule.apply(q, k, v, g, beta, scale, initial_state, output_final_state, doc)
+    o, final_state, *_ = _delta_rule_fwd_op(q, k, v, g, beta, scale, initial_state, bool(output_final_state), doc)
     return o, (final_state if output_final_state else None)
+
+
+@torch.library.custom_op("hybrid::fused_recurrent_delta_rule", mutates_args=("state",))
+def _fused_recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, scale: float) -> torch.Tensor:
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
+    _fused_recurrent_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * H)](
+        q, k, v, g, beta, state, o, scale, T, H=H, K=K, V=V, BK=_block(K), GATE_PER_HEAD=g.dim() == 3)
+    return o
+
+
+@_fused_recurrent_op.register_fake
+def _(q, k, v, g, beta, state, scale):
+    return v.new_empty(*q.shape[:3], v.shape[-1])
 
 
 def fused_recurrent_delta_rule_triton(q, k, v, g, beta, state, *, scale=None):
     """Recurrent form for a few tokens (decode/verification); `state` [B,H,K,V] fp32 updated in place.
 
-    q,k [B,T,H,K]  v [B,T,H,V]  g [B,T,H,K] or [B,T,H]  beta [B,T,H]  ->  o [B,T,H,V]. No autograd.
+    q,k [B,T,H,K]  v [B,T,H,V]  g [B,T,H,K] or [B,T,H]  beta [B,T,H]  ->  o [B,T,H,V]. No autograd
+    (a registered op that mutates `state`).
     """
     _check(q, k, v, g, beta)
     B, T, H, K = q.shape
@@ -834,10 +889,7 @@ def fused_recurrent_delta_rule_triton(q, k, v, g, beta, state, *, scale=None):
                          f"got {state.dtype} {tuple(state.shape)}")
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
-    _fused_recurrent_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * H)](
-        q, k, v, g, beta, state, o, scale, T, H=H, K=K, V=V, BK=_block(K), GATE_PER_HEAD=g.dim() == 3)
-    return o
+    return _fused_recurrent_op(q, k, v, g, beta, state, scale)
 
 
 def delta_rule_step_triton(q, k, v, g, beta, state, *, scale=None):

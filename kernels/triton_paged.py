@@ -59,17 +59,13 @@ def _paged_decode_kernel(Q, K, V, TABLE, LENS, SINKS, O,
     tl.store(O + b * stride_ob + h * stride_oh + offs_dv, o.to(O.dtype.element_ty), mask=offs_dv < Dv)
 
 
-def paged_decode_triton(q, k_pool, v_pool, block_table, seq_lens, *, window=None, sinks=None, scale=None):
-    B, T, Hq, Dk = q.shape
-    assert T == 1, "the Triton paged kernel decodes one token per row"
-    N, bs, Hkv, _ = k_pool.shape
+@torch.library.custom_op("hybrid::paged_decode", mutates_args=())
+def _paged_decode_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                     lens: torch.Tensor, window: int, sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    B, _, Hq, Dk = q.shape
+    bs, Hkv = k_pool.shape[1], k_pool.shape[2]
     Dv = v_pool.shape[3]
-    scale = Dk ** -0.5 if scale is None else scale
-    q = q.contiguous()
-    table = block_table.to(q.device, torch.int32).contiguous()
-    lens = seq_lens.to(q.device, torch.int32).contiguous()
     o = torch.empty(B, 1, Hq, Dv, device=q.device, dtype=q.dtype)
-    window = int(window) if window is not None else int(block_table.shape[1] * bs + 1)
     sinks_arg = sinks if sinks is not None else q                   # unused when HAS_SINKS is false
     _paged_decode_kernel[(B, Hq)](
         q, k_pool, v_pool, table, lens, sinks_arg, o,
@@ -78,3 +74,20 @@ def paged_decode_triton(q, k_pool, v_pool, block_table, seq_lens, *, window=None
         HAS_SINKS=sinks is not None, BLOCK_S=triton.next_power_of_2(bs),
         BLOCK_DK=triton.next_power_of_2(Dk), BLOCK_DV=triton.next_power_of_2(Dv))
     return o
+
+
+@_paged_decode_op.register_fake
+def _(q, k_pool, v_pool, table, lens, window, sinks, scale):
+    return q.new_empty(q.shape[0], 1, q.shape[2], v_pool.shape[3])
+
+
+def paged_decode_triton(q, k_pool, v_pool, block_table, seq_lens, *, window=None, sinks=None, scale=None):
+    """One decode token per row (T == 1); a registered op (torch.library, no autograd: decode only)."""
+    B, T, Hq, Dk = q.shape
+    assert T == 1, "the Triton paged kernel decodes one token per row"
+    bs = k_pool.shape[1]
+    scale = Dk ** -0.5 if scale is None else scale
+    table = block_table.to(q.device, torch.int32).contiguous()
+    lens = seq_lens.to(q.device, torch.int32).contiguous()
+    window = int(window) if window is not None else int(block_table.shape[1] * bs + 1)
+    return _paged_decode_op(q.contiguous(), k_pool, v_pool, table, lens, window, sinks, float(scale))

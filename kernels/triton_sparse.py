@@ -195,39 +195,65 @@ def _mla_args(q, kv, indices, d_v):
     return grid, shape, consts
 
 
-class _SparseMLA(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, kv, indices, d_v, scale):
-        B, T, H, Dk = q.shape
-        grid, shape, consts = _mla_args(q, kv, indices, d_v)
-        o = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)
-        lse2 = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-        with _on_device(q):
-            _mla_fwd_kernel[grid](q, kv, indices, o, lse2, *q.stride(), *kv.stride(), *indices.stride(), *o.stride(),
-                                  *shape, scale, **consts, **_fixed(**_MLA_INTERPRET))
-        ctx.save_for_backward(q, kv, indices, o, lse2)
-        ctx.d_v, ctx.scale = d_v, scale
-        lse = lse2 * LN2
-        ctx.mark_non_differentiable(lse)
-        return o, lse
+# torch.library ops: opaque to torch.compile, fake impls for shapes, registered autograd.
 
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, kv, indices, o, lse2 = ctx.saved_tensors
-        grid, shape, consts = _mla_args(q, kv, indices, ctx.d_v)
-        delta = (do.float() * o.float()).sum(-1).contiguous()                   # [B, T, H]
-        dq = torch.empty_like(q)
-        dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
-        with _on_device(q):
-            _mla_bwd_kernel[grid](q, kv, indices, do, lse2, delta, dq, dkv, *q.stride(), *kv.stride(),
-                                  *indices.stride(), *do.stride(), *shape, ctx.scale, **consts,
-                                  **_fixed(**_MLA_INTERPRET))
-        return dq, dkv.to(kv.dtype), None, None, None
+@torch.library.custom_op("hybrid::sparse_mla_fwd", mutates_args=())
+def _sparse_mla_fwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T, H, Dk = q.shape
+    grid, shape, consts = _mla_args(q, kv, indices, d_v)
+    o = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)
+    lse2 = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    with _on_device(q):
+        _mla_fwd_kernel[grid](q, kv, indices, o, lse2, *q.stride(), *kv.stride(), *indices.stride(), *o.stride(),
+                              *shape, scale, **consts, **_fixed(**_MLA_INTERPRET))
+    return o, lse2
+
+
+@_sparse_mla_fwd_op.register_fake
+def _(q, kv, indices, d_v, scale):
+    B, T, H, _ = q.shape
+    return q.new_empty(B, T, H, d_v), q.new_empty(B, T, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("hybrid::sparse_mla_bwd", mutates_args=())
+def _sparse_mla_bwd_op(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, o: torch.Tensor,
+                       lse2: torch.Tensor, d_v: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    grid, shape, consts = _mla_args(q, kv, indices, d_v)
+    delta = (do.float() * o.float()).sum(-1).contiguous()                   # [B, T, H]
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+    with _on_device(q):
+        _mla_bwd_kernel[grid](q, kv, indices, do, lse2, delta, dq, dkv, *q.stride(), *kv.stride(),
+                              *indices.stride(), *do.stride(), *shape, scale, **consts, **_fixed(**_MLA_INTERPRET))
+    return dq, dkv.to(kv.dtype)
+
+
+@_sparse_mla_bwd_op.register_fake
+def _(do, q, kv, indices, o, lse2, d_v, scale):
+    return torch.empty_like(q), kv.new_empty(kv.shape)
+
+
+def _sparse_mla_setup(ctx, inputs, output):
+    q, kv, indices, d_v, scale = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(q, kv, indices, *output)
+    ctx.d_v, ctx.scale = d_v, scale
+
+
+def _sparse_mla_grad(ctx, do, _dlse2):
+    q, kv, indices, o, lse2 = ctx.saved_tensors
+    dq, dkv = _sparse_mla_bwd_op(do, q, kv, indices, o, lse2, ctx.d_v, ctx.scale)
+    return dq, dkv, None, None, None
+
+
+torch.library.register_autograd("hybrid::sparse_mla_fwd", _sparse_mla_grad, setup_context=_sparse_mla_setup)
 
 
 def sparse_mla_attention_triton(q, kv, indices, *, d_v, scale):
     """See kernels.sparse_mla_attention. Returns (o [B,T,H,d_v], lse [B,T,H] fp32, natural log)."""
-    return _SparseMLA.apply(q, kv.to(q.dtype), indices, d_v, scale)     # one dtype for tl.dot (autocast)
+    o, lse2 = _sparse_mla_fwd_op(q, kv.to(q.dtype), indices, int(d_v), float(scale))  # one dtype for tl.dot
+    return o, lse2 * LN2
 
 
 # ================================================================== DSA: the indexer's top-k
@@ -279,11 +305,10 @@ def _index_topk_kernel(IQ, IW, IK, OUT,
     tl.store(OUT + (b * T + t[:, None]) * K + col[None, :], out, mask=t_in[:, None] & (col[None, :] < K))
 
 
-def index_topk_triton(iq, iw, ik, k):
-    """See kernels.index_topk. [B, T, k] int64, best first; -1 where a query sees fewer than k keys."""
+@torch.library.custom_op("hybrid::index_topk", mutates_args=())
+def _index_topk_op(iq: torch.Tensor, iw: torch.Tensor, ik: torch.Tensor, k: int) -> torch.Tensor:
     B, T, HI, DI = iq.shape
     S = ik.shape[1]
-    ik = ik.to(iq.dtype)
     out = torch.empty(B, T, k, device=iq.device, dtype=torch.int64)
     block_m = 16
     kp = max(16, triton.next_power_of_2(k))
@@ -294,6 +319,16 @@ def index_topk_triton(iq, iw, ik, k):
             PRECISION=_precision(iq), BLOCK_M=block_m, BLOCK_N=block_n, KP=kp, BLOCK_D=_head_block(DI),
             **({} if INTERPRET else dict(num_warps=8 if kp >= 1024 else 4)))
     return out
+
+
+@_index_topk_op.register_fake
+def _(iq, iw, ik, k):
+    return iq.new_empty(iq.shape[0], iq.shape[1], k, dtype=torch.int64)
+
+
+def index_topk_triton(iq, iw, ik, k):
+    """See kernels.index_topk. [B, T, k] int64, best first; -1 where a query sees fewer than k keys."""
+    return _index_topk_op(iq, iw, ik.to(iq.dtype), int(k))
 
 
 # ================================================================== NSA: block-sparse selection
@@ -431,36 +466,63 @@ def _nsa_args(q, k, v, block_indices, block_size):
     return (T, B * Hkv), shape, consts
 
 
-class _BlockSparse(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, block_indices, block_size, scale):
-        B, T, Hq, _ = q.shape
-        grid, shape, consts = _nsa_args(q, k, v, block_indices, block_size)
-        o = torch.empty(B, T, Hq, v.shape[3], device=q.device, dtype=q.dtype)
-        lse2 = torch.empty(B, T, Hq, device=q.device, dtype=torch.float32)
-        with _on_device(q):
-            _nsa_fwd_kernel[grid](q, k, v, block_indices, o, lse2, *q.stride(), *k.stride(), *v.stride(),
-                                  *block_indices.stride(), *o.stride(), *shape, scale, **consts,
-                                  **_fixed(**_NSA_INTERPRET))
-        ctx.save_for_backward(q, k, v, block_indices, o, lse2)
-        ctx.block_size, ctx.scale = block_size, scale
-        return o
+@torch.library.custom_op("hybrid::block_sparse_fwd", mutates_args=())
+def _block_sparse_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+                         block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T, Hq, _ = q.shape
+    grid, shape, consts = _nsa_args(q, k, v, block_indices, block_size)
+    o = torch.empty(B, T, Hq, v.shape[3], device=q.device, dtype=q.dtype)
+    lse2 = torch.empty(B, T, Hq, device=q.device, dtype=torch.float32)
+    with _on_device(q):
+        _nsa_fwd_kernel[grid](q, k, v, block_indices, o, lse2, *q.stride(), *k.stride(), *v.stride(),
+                              *block_indices.stride(), *o.stride(), *shape, scale, **consts,
+                              **_fixed(**_NSA_INTERPRET))
+    return o, lse2
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, block_indices, o, lse2 = ctx.saved_tensors
-        grid, shape, consts = _nsa_args(q, k, v, block_indices, ctx.block_size)
-        delta = (do.float() * o.float()).sum(-1).contiguous()                   # [B, T, Hq]
-        dq = torch.empty_like(q)
-        dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
-        dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-        with _on_device(q):
-            _nsa_bwd_kernel[grid](q, k, v, block_indices, do, lse2, delta, dq, dk, dv, *q.stride(), *k.stride(),
-                                  *v.stride(), *block_indices.stride(), *do.stride(), *shape, ctx.scale,
-                                  **consts, **_fixed(**_NSA_INTERPRET))
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+@_block_sparse_fwd_op.register_fake
+def _(q, k, v, block_indices, block_size, scale):
+    B, T, Hq, _ = q.shape
+    return q.new_empty(B, T, Hq, v.shape[3]), q.new_empty(B, T, Hq, dtype=torch.float32)
+
+
+@torch.library.custom_op("hybrid::block_sparse_bwd", mutates_args=())
+def _block_sparse_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         block_indices: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor, block_size: int,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grid, shape, consts = _nsa_args(q, k, v, block_indices, block_size)
+    delta = (do.float() * o.float()).sum(-1).contiguous()                   # [B, T, Hq]
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    with _on_device(q):
+        _nsa_bwd_kernel[grid](q, k, v, block_indices, do, lse2, delta, dq, dk, dv, *q.stride(), *k.stride(),
+                              *v.stride(), *block_indices.stride(), *do.stride(), *shape, scale,
+                              **consts, **_fixed(**_NSA_INTERPRET))
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_block_sparse_bwd_op.register_fake
+def _(do, q, k, v, block_indices, o, lse2, block_size, scale):
+    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _block_sparse_setup(ctx, inputs, output):
+    q, k, v, block_indices, block_size, scale = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(q, k, v, block_indices, *output)
+    ctx.block_size, ctx.scale = block_size, scale
+
+
+def _block_sparse_grad(ctx, do, _dlse2):
+    q, k, v, block_indices, o, lse2 = ctx.saved_tensors
+    dq, dk, dv = _block_sparse_bwd_op(do, q, k, v, block_indices, o, lse2, ctx.block_size, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("hybrid::block_sparse_fwd", _block_sparse_grad, setup_context=_block_sparse_setup)
 
 
 def block_sparse_attention_triton(q, k, v, block_indices, block_size, *, scale):
     """See kernels.block_sparse_attention. o [B,T,Hq,Dv] in q's dtype; differentiable."""
-    return _BlockSparse.apply(q, k.to(q.dtype), v.to(q.dtype), block_indices, block_size, scale)
+    return _block_sparse_fwd_op(q, k.to(q.dtype), v.to(q.dtype), block_indices, int(block_size), float(scale))[0]

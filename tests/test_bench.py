@@ -52,3 +52,24 @@ def test_gpu_check_dry_run_passes(tmp_path):
     """The whole driver on CPU under the Triton interpreter (about 2 minutes on 1 thread)."""
     rc, report = run_gpu_check(tmp_path)
     assert rc == 0 and report["ok"] and len(report["checks"]) == 16
+
+
+def test_qwen3next_bench_builds_the_same_model_and_runs():
+    """Both sides have the same parameter count at the benchmark's layout (the converter's config), and
+    the benchmark trains and decodes on a tiny shape."""
+    import bench_qwen3next
+    out = bench_qwen3next.main(["--d", "64", "--heads", "1", "--kv_heads", "1", "--hidden", "32", "--T", "16",
+                                "--B", "1", "--steps", "1", "--repeat", "1", "--prompt", "4", "--new", "2"])
+    assert all(v > 0 for v in out.values())
+    ns = type("A", (), dict(vocab=257, d=64, layers=4, heads=1, kv_heads=1, hidden=32))
+    mc = bench_qwen3next.our_config(ns)
+    ours, theirs = bench_qwen3next.GPT(mc), bench_qwen3next.their_model(mc)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+
+
+@pytest.mark.slow
+def test_compile_bench_runs():
+    import bench_compile
+    out = bench_compile.main(["--models", "linear", "--d", "32", "--heads", "2", "--layers", "1", "--T", "16",
+                              "--B", "2", "--steps", "1", "--repeat", "1", "--vocab", "17"])
+    assert out["linear"]["graph_breaks"] == 0 and out["linear"]["compiled"] > 0
