@@ -169,7 +169,7 @@ class ContextParallel:
     def attention(self, q, k, v, *, window=None, sinks=None, scale=None, backend=None, gathered=False):
         """Causal attention of the rank's queries q [2B, L, Hq, D] over keys k, v [2B, L, Hkv, D]
         (or, gathered=True, the whole sequence's [B, T, Hkv, D]). A window sends only halos."""
-        B, L = q.shape[0] // 2, q.shape[1]
+        B = q.shape[0] // 2
         if window is not None and not gathered:
             ks, vs = self.halo(k, window - 1), self.halo(v, window - 1)
             keys = [(torch.cat([ks[h], k[h * B:(h + 1) * B]], 1), torch.cat([vs[h], v[h * B:(h + 1) * B]], 1))

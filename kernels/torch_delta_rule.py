@@ -338,7 +338,6 @@ def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output
     Computes in float32 (float64 for float64 inputs).
     """
     B, T, H, K = q.shape
-    V = v.shape[-1]
     if k.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
         raise ValueError(f"delta_rule: shapes q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} "
                          f"beta{tuple(beta.shape)} do not match")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from config import ROOT, from_raw
-from model import GPT, ConfigError, ModelConfig, MoE, SwiGLU
+from model import ConfigError, ModelConfig, MoE, SwiGLU
 from test_model import check_step_equals_forward, make_model
 from test_scale import child_env, free_port, losses
 from train import latest_checkpoint, load_checkpoint, train

@@ -1,7 +1,6 @@
 """NSA and MFA (SPEC 5): every NSA branch and the whole layer against a naive per-query reference (forward
 and gradients), the block selection, MFA and MFA-KR against a naive per-head reference, cache bytes,
 step == forward (alone and in hybrids), bounded memory at T=8192, config errors."""
-import math
 
 import pytest
 import torch
