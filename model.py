@@ -390,8 +390,10 @@ class MoE(nn.Module):
 
     Router: softmax (top-k of the softmax) or sigmoid (top-k of sigmoid + a balancing bias that only
     selects; the weights are the selected sigmoids), optionally renormalised, times routed_scale.
-    Assignments are sorted by expert and each expert runs one matmul over its tokens (a loop over
-    experts, none over tokens); no capacity: no token is dropped. The sigmoid router's bias is a
+    Assignments are sorted by expert; on CUDA all experts run as batched matmuls over the sorted
+    assignments laid out [E, C, d] (C = the busiest expert's count, zero rows as padding), on the CPU
+    one matmul per expert over its own tokens (no padding); `padded` forces either. No loop over tokens,
+    no capacity: no token is dropped. The sigmoid router's bias is a
     buffer nudged by update_router_bias() outside the gradient (DeepSeek-V3's auxiliary-loss-free
     balancing); `load` counts the assignments per expert since the last update. `bias` adds learned
     biases to the router and the experts, `expert_act: swiglu_clamped` gpt-oss's expert activation."""
@@ -412,6 +414,7 @@ class MoE(nn.Module):
         self.register_buffer("load", torch.zeros(E), persistent=False)
         self.shared = SwiGLU(d_model, cfg.shared_hidden) if cfg.n_shared else None
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_gate else None
+        self.padded = None                                                 # None: padded on CUDA only
 
     def reset_special_parameters(self, n_layer=1):
         for w in (self.w1, self.w3):
@@ -421,19 +424,36 @@ class MoE(nn.Module):
             for b in (self.b1, self.b3, self.b2):
                 nn.init.zeros_(b)
 
+    def activation(self, g, u):
+        """The experts' gated activation of gate g and up u."""
+        c = self.cfg
+        if c.expert_act == "swiglu":
+            return F.silu(g) * u
+        g, u = g.clamp(max=c.swiglu_limit), u.clamp(-c.swiglu_limit, c.swiglu_limit)  # gpt-oss: clamped,
+        return g * torch.sigmoid(c.swiglu_alpha * g) * (u + 1)                  # sigmoid gain, up + 1
+
     def expert(self, e, xe):
         """Routed expert e on its tokens xe [n, d] -> [n, d]."""
-        c = self.cfg
         g, u = xe @ self.w1[e].T, xe @ self.w3[e].T
-        if c.bias:
+        if self.cfg.bias:
             g, u = g + self.b1[e], u + self.b3[e]
-        if c.expert_act == "swiglu":
-            h = F.silu(g) * u
-        else:  # gpt-oss: clamped, sigmoid gain alpha, up shifted by one
-            g, u = g.clamp(max=c.swiglu_limit), u.clamp(-c.swiglu_limit, c.swiglu_limit)
-            h = g * torch.sigmoid(c.swiglu_alpha * g) * (u + 1)
-        y = h @ self.w2[e].T
-        return y + self.b2[e] if c.bias else y
+        y = self.activation(g, u) @ self.w2[e].T
+        return y + self.b2[e] if self.cfg.bias else y
+
+    def experts_padded(self, xs, counts):
+        """Every expert at once: the sorted assignments xs [N*k, d] laid out [E, C, d] (C = the largest
+        count; unused rows zero, never read back), three batched matmuls, the rows gathered back."""
+        E, C = self.cfg.n_experts, int(counts.max())
+        expert_of = torch.repeat_interleave(torch.arange(E, device=xs.device), counts)   # [N*k]
+        slot = torch.arange(len(xs), device=xs.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+        rows = xs.new_zeros(E, C, xs.shape[1]).index_put((expert_of, slot), xs)          # [E, C, d]
+        g, u = torch.bmm(rows, self.w1.transpose(1, 2)), torch.bmm(rows, self.w3.transpose(1, 2))  # [E, C, h]
+        if self.cfg.bias:
+            g, u = g + self.b1[:, None], u + self.b3[:, None]
+        y = torch.bmm(self.activation(g, u), self.w2.transpose(1, 2))                    # [E, C, d]
+        if self.cfg.bias:
+            y = y + self.b2[:, None]
+        return y[expert_of, slot]
 
     def route(self, x):
         """x [N, d] -> expert ids [N, k], weights [N, k] (fp32)."""
@@ -463,9 +483,11 @@ class MoE(nn.Module):
         if self.training:
             self.load += counts.to(self.load.dtype)
         xs = xf[token]                                                      # [N*k, d] grouped by expert
-        ys = [self.expert(e, xe) for e, xe in enumerate(xs.split(counts.tolist()))]  # every expert, even
-                                                                            # empty: each weight gets a gradient
-        ys = torch.cat(ys) * w.reshape(-1)[order, None].to(x.dtype)
+        if self.padded if self.padded is not None else x.is_cuda:
+            ys = self.experts_padded(xs, counts)
+        else:  # every expert, even an empty one: each weight gets a gradient
+            ys = torch.cat([self.expert(e, xe) for e, xe in enumerate(xs.split(counts.tolist()))])
+        ys = ys * w.reshape(-1)[order, None].to(x.dtype)
         out = torch.zeros_like(xf).index_add_(0, token, ys)                 # [N, d]
         if self.shared is not None:
             s = self.shared(xf)

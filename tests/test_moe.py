@@ -66,11 +66,15 @@ def naive_moe(moe, x):
     return torch.stack(out).view_as(x)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["per_expert", "padded_bmm"])
 @pytest.mark.parametrize("name", list(ROUTERS))
-def test_grouped_experts_equal_token_by_token_forward_and_backward(name):
+def test_grouped_experts_equal_token_by_token_forward_and_backward(name, padded):
+    """Both expert layouts (per-expert matmuls: the CPU default; padded batched matmuls: the CUDA
+    default) equal a token-by-token loop, forward and backward."""
     model = make_model(ATTN, n_layer=2, mlp=ROUTERS[name])
     moe = model.blocks[-1].mlp
     assert isinstance(moe, MoE)
+    moe.padded = padded
     with torch.no_grad():
         moe.router_bias.normal_(0, 0.1)  # a bias that changes the selection (sigmoid router)
         if moe.cfg.bias:  # learned biases away from 0; gate/up ones large enough that the clamp binds
@@ -85,6 +89,27 @@ def test_grouped_experts_equal_token_by_token_forward_and_backward(name):
     ref_grads = torch.autograd.grad(ref, [x, moe.w1, moe.w2, moe.router.weight], g)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_padded_experts_with_an_expert_that_gets_no_token():
+    """An expert no token picks: the padded layout gives the per-expert result and its weights a zero
+    gradient (not None), like the per-expert loop."""
+    model = make_model(ATTN, n_layer=1, mlp=dict(ROUTERS["gpt_oss"], n_experts=6))
+    moe = model.blocks[0].mlp
+    with torch.no_grad():
+        moe.router.bias.zero_()[5] = -100.0  # expert 5 never wins
+    x = torch.randn(2, 7, 32)
+    assert moe.route(x.reshape(-1, 32))[0].eq(5).sum() == 0
+    results = []
+    for padded in (False, True):
+        moe.padded = padded
+        y = moe(x)
+        results.append((y, torch.autograd.grad(y.square().sum(), [moe.w1, moe.w2, moe.b2])))
+    (y0, g0), (y1, g1) = results
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert g1[0][5].abs().sum() == 0 and g1[2][5].abs().sum() == 0
 
 
 @pytest.mark.parametrize("name", list(ROUTERS))
