@@ -518,8 +518,9 @@ def check_options(name, options, cfg=None):
             raise ValueError(f"evals.{name}.{key}: unknown option; allowed: {', '.join(allowed)}")
         test, what = OPTION_RULES[name].get(key, _at_least(0) if key == "seed" else ((lambda v: True), ""))
         values = value if isinstance(value, (tuple, list)) else [value]
-        typed = (lambda v: isinstance(v, str)) if key == "policies" else (
-            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+        default = allowed[key][0] if isinstance(allowed[key], (tuple, list)) else allowed[key]
+        kind = str if isinstance(default, str) else (int, float)            # the type the default has
+        typed = lambda v: isinstance(v, kind) and not isinstance(v, bool)  # noqa: E731
         if not values or not all(typed(v) and test(v) for v in values):
             raise ValueError(f"evals.{name}.{key}: must be {what}{' (each)' if isinstance(value, (tuple, list)) else ''}"
                              f" (got {value!r})")

@@ -346,6 +346,11 @@ def rope_angles(positions, dim, theta):
     return angles.cos(), angles.sin()
 
 
+def doc_spans(cu_seqlens):
+    """[(start, end)] of every non-empty packed document."""
+    return [(a, b) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if b > a]
+
+
 def token_positions(x, pos, cache, cu_seqlens, cp=None):
     """Positions of the tokens of x [B, T, ...]: pos .. pos+T-1 [T] for an int pos, [B, T] for a tensor
     of per-row starts [B] (the serving engine decodes requests at different positions together); with
@@ -972,9 +977,8 @@ class MLA(nn.Module):
         None). What autograd keeps is O(T * k), never T x S. cu_seqlens (packed documents, B == 1,
         offset 0): each document runs alone, so the indexer picks only within its document."""
         if cu_seqlens is not None:
-            bounds = [(a, b) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if b > a]
             parts = [self._sparse_attention(q_lat[:, a:b], latent[:, a:b], iq[:, a:b], iw[:, a:b], ik[:, a:b], 0,
-                                            want_loss) for a, b in bounds]
+                                            want_loss) for a, b in doc_spans(cu_seqlens)]
             return torch.cat([o for o, _ in parts], dim=1), (sum(kl for _, kl in parts) if want_loss else None)
         S = latent.shape[1]
         with torch.no_grad():
@@ -1282,9 +1286,8 @@ class NSA(nn.Module):
         a plain loop (simple and exact; one set of kernel launches per document): compressed blocks
         start at the document's first token and never span two documents, selection blocks are counted
         from the document's start and hold only its keys. The window branch is packed (cu_seqlens)."""
-        bounds = [(a, b) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if b > a]
         outs = []
-        for a, b in bounds:
+        for a, b in doc_spans(cu_seqlens):
             ck, cv = self.compress(kc[:, a:b], vc[:, a:b])
             outs.append(self.cmp_slc(q[:, a:b], q_rot[:, a:b], ck, cv, ks[:, a:b], vs[:, a:b], 0))
         return (torch.cat(o, dim=1) for o in zip(*outs))
