@@ -8,6 +8,7 @@
     python evals.py kv_policies --ckpt out/x --budgets 32,64   # the serving engine's KV policies vs full
     python evals.py palindrome --ckpt out/x --seq_len 512 # copy in reverse (Kimi Linear), any length
     python evals.py stack --ckpt out/x --seq_len 512      # what each pop returns (Kimi Linear), any length
+    python evals.py attention_sinks --ckpt out/x          # share of attention on position 0, per layer
     python evals.py --help ; python evals.py mqar --help
 
 Every eval is a function `eval_<name>(model, cfg, **options) -> dict`: the flat float entries are the
@@ -324,6 +325,54 @@ def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4):
     return out
 
 
+def attention_shares(q, k, scale, sinks=None, n_first=4, skip=16):
+    """Where softmax attention goes, averaged over heads and over the queries at positions >= skip.
+
+    q [B, T, Hq, D], k [B, T, Hkv, D] (RoPE applied), causal; sinks [Hq] learned sink logits or None.
+    Returns the mean share on key 0, on keys 0..n_first-1, on the learned sink (0 without sinks), and
+    what key 0 would get if every query attended uniformly (mean of 1 / (t + 1))."""
+    B, T, Hq, D = q.shape
+    k = k.repeat_interleave(Hq // k.shape[2], 2)
+    s = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().view(1, Hq, 1, 1).expand(B, Hq, T, 1)], -1)
+    p = s.softmax(-1)[:, :, skip:]                                             # [B, H, T - skip, T (+1)]
+    t = torch.arange(skip, T, dtype=torch.float32)
+    return {"key0": p[..., 0].mean().item(), "first": p[..., :n_first].sum(-1).mean().item(),
+            "learned": p[..., T].mean().item() if sinks is not None else 0.0,
+            "uniform": (1.0 / (t + 1)).mean().item()}
+
+
+@torch.no_grad()
+def eval_attention_sinks(model, cfg, n_seqs=8, n_first=4, skip=16):
+    """Attention sinks (StreamingLLM): per global softmax attention layer, the share of attention on
+    position 0 (`key0_L<i>`), on the first n_first positions (`first_L<i>`) and on the learned sink
+    (`learned_L<i>`, gpt-oss sinks), averaged over heads and over the queries at positions >= skip of
+    n_seqs validation sequences of the training length; `uniform` is key 0's share under uniform
+    attention, the level without a sink. Layers of other kinds are skipped."""
+    layers = [i for i, b in enumerate(model.blocks) if isinstance(b.mixer, Attention) and b.mixer.cfg.window is None]
+    if not layers:
+        raise ValueError("evals.attention_sinks: the model has no global softmax attention layer (kind attn "
+                         "without a window)")
+    T = cfg.train.seq_len
+    if skip >= T:
+        raise ValueError(f"evals.attention_sinks.skip: must be below the training length {T} (got {skip})")
+    x = (_text_batch(cfg, n_seqs, T, offset=4242) if _is_text(cfg) else _synthetic(cfg, n_seqs, T, [29, 6 * 10 ** 9]))[0]
+    captures = {i: _Capture() for i in layers}
+    h = model.wte(x.to(_device(model)))
+    for i, block in enumerate(model.blocks):
+        h = block(h, captures.get(i), 0)
+    out = {}
+    for i in layers:
+        q, k, _, scale, sinks = captures[i].qkv
+        shares = attention_shares(q, k, scale, sinks, n_first, skip)
+        out["uniform"] = shares.pop("uniform")
+        out.update({f"{name}_L{i}": v for name, v in shares.items()})
+    out["key0_mean"] = sum(out[f"key0_L{i}"] for i in layers) / len(layers)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # KV policies of the serving engine (engine.py, kv_policies.py)
 
@@ -483,7 +532,7 @@ def eval_stack(model, cfg, n_batches=4, batch_size=32, seq_len=0, seed=23):
 
 EVALS = {"val": eval_val, "mqar": eval_mqar, "needle": eval_needle, "length": eval_length,
          "streaming": eval_streaming, "kv_policies": eval_kv_policies, "palindrome": eval_palindrome,
-         "stack": eval_stack}
+         "stack": eval_stack, "attention_sinks": eval_attention_sinks}
 
 
 
@@ -506,6 +555,7 @@ OPTION_RULES = {
                     "budgets": _POSITIVE, "factor": _ABOVE_0, "n_seqs": _POSITIVE, "block_size": _POSITIVE},
     "palindrome": {"n_batches": _POSITIVE, "batch_size": _POSITIVE, "seq_len": _at_least(0)},
     "stack": {"n_batches": _POSITIVE, "batch_size": _POSITIVE, "seq_len": _at_least(0)},
+    "attention_sinks": {"n_seqs": _POSITIVE, "n_first": _POSITIVE, "skip": _at_least(0)},
 }
 
 

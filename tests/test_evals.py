@@ -66,6 +66,42 @@ def test_eval_streaming_reports_three_policies():
         evals.eval_streaming(kda, cfg2)
 
 
+def test_attention_shares_against_a_loop():
+    """The share of attention on key 0 / the first keys / the learned sink, recomputed query by query."""
+    torch.manual_seed(0)
+    B, T, Hq, Hkv, D, skip = 2, 10, 4, 2, 8, 3
+    q, k, sinks = torch.randn(B, T, Hq, D), torch.randn(B, T, Hkv, D), torch.randn(Hq)
+    for s in (None, sinks):
+        got = evals.attention_shares(q, k, 0.5, s, n_first=2, skip=skip)
+        key0 = first = learned = 0.0
+        for b in range(B):
+            for h in range(Hq):
+                for t in range(skip, T):
+                    logits = torch.cat([(k[b, :t + 1, h // 2] @ q[b, t, h]) * 0.5] + ([s[h:h + 1]] if s is not None else []))
+                    p = logits.softmax(0)
+                    key0, first = key0 + p[0].item(), first + p[:2].sum().item()
+                    learned += p[t + 1].item() if s is not None else 0.0
+        n = B * Hq * (T - skip)
+        assert abs(got["key0"] - key0 / n) < 1e-6 and abs(got["first"] - first / n) < 1e-6
+        assert abs(got["learned"] - learned / n) < 1e-6
+    zero = evals.attention_shares(torch.zeros(B, T, Hq, D), k, 0.5, None, skip=skip)   # uniform attention
+    assert abs(zero["key0"] - zero["uniform"]) < 1e-6
+
+
+def test_eval_attention_sinks_reports_every_global_layer():
+    model, cfg = make(["k", "g", "w", "g"], {"k": {"kind": "kda", "n_heads": 2}, "g": GLOBAL,
+                                             "w": {"kind": "attn", "n_heads": 2, "window": 5}})
+    out = evals.run_eval("attention_sinks", model, cfg, {"n_seqs": 2, "skip": 4})
+    assert {"key0_L1", "first_L1", "learned_L1", "key0_L3", "key0_mean", "uniform"} <= set(out)
+    assert not any(k.endswith(("_L0", "_L2")) for k in out)
+    assert all(0 <= v <= 1 for v in out.values()) and out["learned_L1"] > 0
+    with pytest.raises(ValueError, match="evals.attention_sinks.skip: must be below the training length 32"):
+        evals.run_eval("attention_sinks", model, cfg, {"skip": 32})
+    kda, cfg2 = make(["k"], {"k": {"kind": "kda", "n_heads": 2}})
+    with pytest.raises(ValueError, match="no global softmax attention layer"):
+        evals.eval_attention_sinks(kda, cfg2)
+
+
 def test_mqar_eval_buckets_every_query():
     model, cfg = make(["g"], {"g": GLOBAL})
     out = evals.eval_mqar(model, cfg, n_batches=2, batch_size=8)

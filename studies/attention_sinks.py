@@ -1,0 +1,116 @@
+"""StreamingLLM study (issue 16): does a trained model park attention on the first token, and does
+window-only eviction then collapse while 4 kept sink tokens (or learned sinks) rescue it?
+
+For every run folder: the share of attention on position 0 per global layer at each checkpoint
+(evals.eval_attention_sinks), and at the last checkpoint the perplexity of long streams with a full
+cache, a recent window only, and 4 first tokens + the window (evals.eval_streaming). Prints a markdown
+table per run and writes a plot of the position-0 share over training.
+
+    python studies/attention_sinks.py runs/streaming_long/global runs/streaming_long/learned_sinks \
+        --budget 64 --factor 4 --out docs/attention_sinks.png
+"""
+import argparse
+import glob
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import evals  # noqa: E402
+from data.tokens import DataError, atomic_write  # noqa: E402
+from sample import load_model  # noqa: E402
+
+
+def checkpoints(folder):
+    """[(step, path)] of a run folder's ckpt_<step>.pt files, by step."""
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(folder, "ckpt_*.pt"))
+             if (m := re.search(r"ckpt_(\d+)\.pt$", p))]
+    if not found:
+        raise DataError(f"{folder}: no checkpoint (ckpt_<step>.pt) in this folder")
+    return sorted(found)
+
+
+def study(folder, budget, n_sinks, factor, n_seqs, skip, log=print):
+    """{"shares": [(step, eval_attention_sinks result)], "streaming": eval_streaming of the last ckpt}."""
+    shares = []
+    for step, path in checkpoints(folder):
+        model, cfg = load_model(path)
+        shares.append((step, evals.run_eval("attention_sinks", model, cfg, {"n_seqs": n_seqs, "skip": skip})))
+        log(f"{folder} step {step}: key 0 share {shares[-1][1]['key0_mean']:.3f} (uniform {shares[-1][1]['uniform']:.3f})")
+    stream = evals.run_eval("streaming", model, cfg, {"factor": factor, "budget": budget, "n_sinks": n_sinks,
+                                                      "n_seqs": n_seqs})
+    return {"shares": shares, "streaming": stream, "val": evals.run_eval("val", model, cfg, {"n_batches": 16})}
+
+
+def table(folder, result):
+    """Markdown rows: the position-0 share per layer at each checkpoint, then the streaming perplexities."""
+    shares = result["shares"]
+    layers = sorted(int(k[len("key0_L"):]) for k in shares[0][1] if k.startswith("key0_L"))
+    learned = any(r[f"learned_L{i}"] > 0 for _, r in shares for i in layers)
+    head = ["step"] + [f"key 0, layer {i}" for i in layers] + ([f"learned sink, layer {i}" for i in layers] if learned else [])
+    lines = [f"{folder}: share of attention on position 0 (uniform attention: {shares[0][1]['uniform']:.3f})", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for step, r in shares:
+        cells = [str(step)] + [f"{r[f'key0_L{i}']:.3f}" for i in layers]
+        cells += [f"{r[f'learned_L{i}']:.3f}" for i in layers] if learned else []
+        lines.append("| " + " | ".join(cells) + " |")
+    s, v = result["streaming"], result["val"]
+    lines += ["", f"last checkpoint: val loss {v['val_loss']:.3f}; stream perplexity: full cache {s['ppl_full']:.2f}, "
+              f"window only {s['ppl_window']:.2f}, sinks + window {s['ppl_sinks+window']:.2f}", ""]
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    """Key-0 share of every layer over steps, one panel per run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), squeeze=False)
+    for ax, (folder, res) in zip(axes[0], results.items()):
+        steps = [s for s, _ in res["shares"]]
+        for key in sorted(k for k in res["shares"][0][1] if k.startswith(("key0_L", "learned_L"))):
+            ys = [r[key] for _, r in res["shares"]]
+            if key.startswith("learned") and not any(ys):
+                continue
+            ax.plot(steps, ys, marker="o", ls="-" if key.startswith("key0") else "--",
+                    label=key.replace("key0_L", "key 0, layer ").replace("learned_L", "learned sink, layer "))
+        ax.axhline(res["shares"][0][1]["uniform"], color="gray", ls=":", label="uniform")
+        ax.set_title(os.path.basename(folder.rstrip("/")), fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("attention share")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, dpi=80, format="png"))
+    finally:
+        plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run folders with ckpt_<step>.pt files")
+    p.add_argument("--budget", type=int, default=64, help="keys kept by the evicting caches")
+    p.add_argument("--n_sinks", type=int, default=4, help="first tokens kept by sinks + window")
+    p.add_argument("--factor", type=float, default=4, help="stream length in training lengths")
+    p.add_argument("--n_seqs", type=int, default=8)
+    p.add_argument("--skip", type=int, default=16, help="queries before this position are not counted")
+    p.add_argument("--out", default=None, help="PNG of the position-0 share over steps")
+    args = p.parse_args(argv)
+    try:
+        evals.check_options("streaming", {"budget": args.budget, "n_sinks": args.n_sinks, "factor": args.factor})
+        results = {f: study(f, args.budget, args.n_sinks, args.factor, args.n_seqs, args.skip) for f in args.runs}
+    except (DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for folder, res in results.items():
+        print(table(folder, res))
+    if args.out:
+        plot(results, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""MQAR accuracy against sequence length (issue 16) for the runs of a sweep with an lrs grid: every
+variant at its best lr (ablate.py's selection), each seed's last checkpoint evaluated on fresh MQAR
+sequences of each length with the training number of pairs (evals.eval_mqar, seq_len); mean ± std
+over seeds as a markdown table and a plot. Lengths above the training length test extrapolation.
+
+    python studies/mqar_length.py sweeps/mqar_seeds.yaml --lengths 64 128 256 512 \
+        --out docs/mqar_acc_vs_length.png
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ablate  # noqa: E402
+import evals  # noqa: E402
+from data.tokens import DataError, atomic_write  # noqa: E402
+from sample import load_model  # noqa: E402
+
+
+def accuracy_by_length(sweep, lengths, n_batches, log=print):
+    """{variant: (best lr, {length: [accuracy of each seed]})} over the finished runs."""
+    results = ablate.collect(sweep)
+    if not results:
+        raise DataError(f"{sweep['out_dir']}: no finished run (result.json) yet")
+    metric = ablate.select_metric(sweep, results)
+    out = {}
+    for variant, rs in results.items():
+        lr, runs = ablate.best_lr(sweep, rs, metric)
+        accs = {L: [] for L in lengths}
+        for r in runs:
+            model, cfg = load_model(ablate.result_dir(sweep, r))
+            for L in lengths:
+                accs[L].append(evals.run_eval("mqar", model, cfg, {"seq_len": L, "n_batches": n_batches})["acc"])
+        log(f"{variant} (lr {lr}, {len(runs)} seeds): " + ", ".join(f"T={L} {ablate.mean_pm(a)}" for L, a in accs.items()))
+        out[variant] = (lr, accs)
+    return out
+
+
+def table(out, train_len):
+    lengths = list(next(iter(out.values()))[1])
+    lines = ["| variant | best lr | seeds | " + " | ".join(f"T = {L}" + (" (train)" if L == train_len else "")
+                                                         for L in lengths) + " |",
+             "|" + "---|" * (len(lengths) + 3)]
+    for variant, (lr, accs) in out.items():
+        lines.append(f"| {variant} | {lr:g} | {len(accs[lengths[0]])} | " + " | ".join(ablate.mean_pm(accs[L]) for L in lengths) + " |")
+    return "\n".join(lines)
+
+
+def plot(out, train_len, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for variant, (lr, accs) in out.items():
+        Ls = list(accs)
+        means = [ablate._mean(accs[L]) for L in Ls]
+        stds = [ablate._std(accs[L]) for L in Ls]
+        ax.errorbar(Ls, means, yerr=stds, marker="o", capsize=3, label=f"{variant} (lr {lr:g})")
+    ax.axvline(train_len, color="gray", ls=":", label="training length")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("MQAR accuracy")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, dpi=80, format="png"))
+    finally:
+        plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep", help="sweep file (its out_dir holds the runs)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
+    p.add_argument("--n_batches", type=int, default=8, help="batches of 32 sequences per length")
+    p.add_argument("--out", default=None, help="PNG of accuracy against length")
+    args = p.parse_args(argv)
+    try:
+        sweep = ablate.load_sweep(args.sweep)
+        if any(L < 1 for L in args.lengths) or args.n_batches < 1:
+            raise ValueError("--lengths and --n_batches: must be integers >= 1")
+        out = accuracy_by_length(sweep, args.lengths, args.n_batches)
+    except (ablate.SweepError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    train_len = ablate.config_for(sweep, next(iter(out)), sweep["seeds"][0], sweep["lrs"][0]).train.seq_len
+    print(table(out, train_len))
+    if args.out:
+        plot(out, train_len, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
