@@ -31,6 +31,8 @@ class DataConfig:
     n_pairs: int = 8                    # mqar: key-value pairs per sequence
     mqar_vocab: Optional[int] = None    # mqar, palindrome, stack: tokens used (null = model.vocab_size)
     pack: bool = False                  # stdlib/bin: rows of whole documents, boundaries to the model
+    bos: bool = False                   # stdlib/bin: every row starts with the end-of-text token (a BOS at
+    #                                     position 0 of every row, train and eval; the attention-sink study)
     mqar_mix: list = field(default_factory=list)  # mqar: train on [[length, n_pairs], ...] (Zoology's
     #                                     mixture, shorter rows zero-padded); eval stays at seq_len, n_pairs
 
@@ -40,6 +42,10 @@ class DataConfig:
         positive(f"{path}.n_pairs", self.n_pairs)
         require(not self.pack or self.kind not in SYNTHETIC_KINDS, f"{path}.pack",
                 f"false for {self.kind} (it packs text corpora)", self.pack)
+        require(not self.bos or self.kind not in SYNTHETIC_KINDS, f"{path}.bos",
+                f"false for {self.kind} (it starts text rows with end-of-text)", self.bos)
+        require(not (self.bos and self.pack), f"{path}.bos", "false with data.pack (packed rows already start "
+                "documents with end-of-text)", self.bos)
         for item in self.mqar_mix:
             require(isinstance(item, (list, tuple)) and len(item) == 2 and all(type(v) is int and v > 0 for v in item),
                     f"{path}.mqar_mix", "a list of [length, n_pairs] pairs of positive ints", self.mqar_mix)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import kernels
 from data import SYNTHETIC_KINDS, synthetic_batches
 from data.mqar import mqar_batch
+from data.tokens import with_bos
 from model import Attention, apply_rope, rope_angles
 
 # ----------------------------------------------------------------------------------------------
@@ -59,12 +60,16 @@ def _val_tokens(cfg):
 
 
 def _text_batch(cfg, n, length, offset=0):
-    """n val windows of length+1 tokens, spread over the val stream -> x, y [n, length]."""
+    """n val windows of length+1 tokens, spread over the val stream -> x, y [n, length]; with
+    data.bos the inputs start with end-of-text, as the training rows do (data/tokens.py TokenLoader)."""
     toks, _ = _val_tokens(cfg)
     if len(toks) < length + 2:
         raise ValueError(f"the val split holds {len(toks)} tokens, fewer than one window of {length + 1}")
     starts = np.linspace(offset, len(toks) - length - 2, n).astype(np.int64)
     buf = torch.from_numpy(np.stack([toks[s:s + length + 1].astype(np.int64) for s in starts]))
+    if cfg.data.bos:
+        from data import make_dataset
+        return with_bos(buf[:, 1:-1], make_dataset(cfg).val[0].eot_id), buf[:, 1:]
     return buf[:, :-1], buf[:, 1:]
 
 
@@ -346,11 +351,13 @@ def attention_shares(q, k, scale, sinks=None, n_first=4, skip=16):
 
 @torch.no_grad()
 def eval_attention_sinks(model, cfg, n_seqs=8, n_first=4, skip=16):
-    """Attention sinks (StreamingLLM): per global softmax attention layer, the share of attention on
-    position 0 (`key0_L<i>`), on the first n_first positions (`first_L<i>`) and on the learned sink
-    (`learned_L<i>`, gpt-oss sinks), averaged over heads and over the queries at positions >= skip of
-    n_seqs validation sequences of the training length; `uniform` is key 0's share under uniform
-    attention, the level without a sink. Layers of other kinds are skipped."""
+    """Attention sinks (StreamingLLM): the share of attention on position 0 per global attention layer.
+
+    Per global softmax attention layer: the share on position 0 (`key0_L<i>`), on the first n_first
+    positions (`first_L<i>`) and on the learned sink (`learned_L<i>`, gpt-oss sinks), averaged over heads
+    and over the queries at positions >= skip of n_seqs validation sequences of the training length;
+    `uniform` is key 0's share under uniform attention, the level without a sink. Layers of other
+    kinds are skipped."""
     layers = [i for i, b in enumerate(model.blocks) if isinstance(b.mixer, Attention) and b.mixer.cfg.window is None]
     if not layers:
         raise ValueError("evals.attention_sinks: the model has no global softmax attention layer (kind attn "

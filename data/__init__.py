@@ -19,14 +19,14 @@ SYNTHETIC_KINDS = ("mqar", "palindrome", "stack")  # generated on the fly; eval 
 class TextData:
     """Next-token prediction on token shards; eval reports val loss and bits per byte."""
 
-    def __init__(self, folder, model_vocab, batch_size, seq_len, rank=0, world=1, pack=False):
+    def __init__(self, folder, model_vocab, batch_size, seq_len, rank=0, world=1, pack=False, bos=False):
         self.train = open_split(folder, "train")
         self.val = open_split(folder, "val")
         vocab = self.train[0].vocab_size
         if vocab > model_vocab:
             raise DataError(f"{folder}: the data has token ids up to {vocab - 1}, beyond model.vocab_size="
                             f"{model_vocab}; set model.vocab_size >= {vocab}")
-        self.Loader = PackedLoader if pack else TokenLoader
+        self.Loader = PackedLoader if pack else (lambda *a: TokenLoader(*a, bos=bos))
         self.loader = self.Loader(self.train, batch_size, seq_len, rank, world)
         self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world
         # bits per byte = nats/token / ln 2 * tokens/byte, from the val shards' headers
@@ -143,4 +143,4 @@ def make_dataset(cfg, rank=0, world=1):
         folder = prepare_stdlib(d.dir, quiet=rank != 0)
     else:
         folder = d.dir
-    return TextData(folder, m.vocab_size, B, t.seq_len, rank, world, pack=d.pack)
+    return TextData(folder, m.vocab_size, B, t.seq_len, rank, world, pack=d.pack, bos=d.bos)

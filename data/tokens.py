@@ -134,6 +134,11 @@ def open_split(folder, split):
     return shards
 
 
+def with_bos(x, bos):
+    """x [B, n] -> [B, n + 1] with `bos` in column 0."""
+    return torch.cat([torch.full_like(x[:, :1], bos), x], dim=1)
+
+
 class TokenLoader:
     """Walks the shards in order, handing out [B, T] inputs and next-token targets.
 
@@ -142,10 +147,16 @@ class TokenLoader:
     in the corpus (not one file), and each lane is read in order. Rank r takes rows r*B .. r*B+B-1,
     so the global batch is the same whatever the world size. `state_dict()` is the position
     (shard, offset in the lanes): a resumed run continues on exactly the next tokens.
+    bos=True (`data.bos`): every row starts with the shard's end-of-text token as a BOS; the row's T
+    targets are the lane's next T tokens, the inputs BOS and their first T - 1.
     """
 
-    def __init__(self, shards, batch_size, seq_len, rank=0, world=1):
+    def __init__(self, shards, batch_size, seq_len, rank=0, world=1, bos=False):
         self.shards, self.B, self.T, self.rank, self.world = shards, batch_size, seq_len, rank, world
+        self.bos = bos
+        if bos and any(s.eot_id < 0 for s in shards):
+            raise DataError(f"{shards[0].path}: data.bos starts rows with the end-of-text token and this token "
+                            f"file has none; prepare the corpus with one or set data.bos: false")
         need = world * batch_size * (seq_len + 1) + 1
         for s in shards:
             if s.n_tokens < need:
@@ -178,6 +189,8 @@ class TokenLoader:
         index = rows[:, None] + np.arange(self.T + 1)[None, :]                     # [B, T+1]
         buf = torch.from_numpy(self.shards[self.shard].tokens[index].astype(np.int64))
         self.offset += self.T
+        if self.bos:                                                              # BOS, then T - 1 tokens
+            return with_bos(buf[:, 1:-1], self.shards[self.shard].eot_id), buf[:, 1:]
         return buf[:, :-1], buf[:, 1:]
 
 

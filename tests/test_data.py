@@ -10,6 +10,7 @@ from data import TextData, make_dataset
 from data.mqar import mqar_accuracy, mqar_batch, mqar_mix_batch
 from data.stdlib import EOT, decode, encode, prepare_stdlib
 from data.tokens import HEADER_BYTES, DataError, TokenFile, TokenLoader, open_split, write_tokens
+from model import ConfigError
 
 
 def write_corpus(folder, n=5000, vocab=100):
@@ -41,6 +42,30 @@ def test_loader_ranks_split_the_global_batch(tmp_path):
     whole = TokenLoader(shards, 4, 8).next_batch()[0]
     halves = [TokenLoader(shards, 2, 8, rank=r, world=2).next_batch()[0] for r in range(2)]
     assert torch.equal(torch.cat(halves), whole)
+
+
+def test_bos_rows_start_with_end_of_text_and_keep_every_target(tmp_path):
+    """data.bos: each row is [EOT, its first T - 1 targets]; the targets are exactly those of the plain
+    loader (every token is predicted once), and evals' text windows start the same way."""
+    write_tokens(tmp_path / "train_000.bin", np.arange(5000) % 200, 201, 5000, eot_id=200)
+    shards = open_split(str(tmp_path), "train")
+    plain, bos = TokenLoader(shards, 2, 8), TokenLoader(shards, 2, 8, bos=True)
+    for _ in range(3):
+        (x0, y0), (x, y) = plain.next_batch(), bos.next_batch()
+        assert torch.equal(y, y0) and (x[:, 0] == 200).all() and torch.equal(x[:, 1:], y[:, :-1])
+    write_tokens(tmp_path / "none.bin", np.arange(100), 200, 100)
+    with pytest.raises(DataError, match="data.bos starts rows with the end-of-text token and this token file has none"):
+        TokenLoader([TokenFile(str(tmp_path / "none.bin"))], 2, 8, bos=True)
+    raw = {"model": {"vocab_size": 257, "d_model": 16, "n_layer": 1, "pattern": ["a"],
+                     "layers": {"a": {"kind": "attn", "n_heads": 2}}},
+           "data": {"kind": "stdlib", "bos": True}, "train": {"batch_size": 2, "seq_len": 16}}
+    import evals
+    x, y = evals._text_batch(from_raw(raw), 2, 16)
+    assert (x[:, 0] == 256).all() and torch.equal(x[:, 1:], y[:, :-1])
+    for data, msg in [({"kind": "mqar", "bos": True}, "data.bos: must be false for mqar"),
+                      ({"kind": "stdlib", "bos": True, "pack": True}, "data.bos: must be false with data.pack")]:
+        with pytest.raises(ConfigError, match=msg):
+            from_raw({**raw, "data": data})
 
 
 def test_uint32_for_large_vocab(tmp_path):
