@@ -46,7 +46,8 @@ def load_model(path, device="cpu"):
 
 def make_codec(cfg, tokenizer):
     """(encode, decode) for the checkpoint: --tokenizer if given, else its corpus's own tokenizer
-    (bytes for stdlib, the manifest's encoding for prepared shards)."""
+    (bytes for stdlib, the manifest's encoding for prepared shards; with data.bos, encode puts the
+    corpus's end-of-text token first, as training did)."""
     from data import corpus_codec
     from data.prepare import get_encoding
     if tokenizer is None and getattr(cfg, "converted_from", None):
@@ -56,6 +57,10 @@ def make_codec(cfg, tokenizer):
         codec, why = corpus_codec(cfg)
         if codec is None:
             raise ConfigError(f"no tokenizer for this checkpoint ({why}); pass --tokenizer NAME (tiktoken or bytes)")
+        if cfg.data.bos:  # trained with end-of-text at position 0 of every row: prompts start the same way
+            from data import make_dataset
+            encode, eot = codec[0], make_dataset(cfg).val[0].eot_id
+            return (lambda s: [eot] + encode(s)), codec[1]
         return codec
     enc = get_encoding(tokenizer)
     if enc.n_vocab > cfg.model.vocab_size:

@@ -62,6 +62,8 @@ def test_bos_rows_start_with_end_of_text_and_keep_every_target(tmp_path):
     import evals
     x, y = evals._text_batch(from_raw(raw), 2, 16)
     assert (x[:, 0] == 256).all() and torch.equal(x[:, 1:], y[:, :-1])
+    from sample import make_codec
+    assert make_codec(from_raw(raw), None)[0]("ab") == [256, 97, 98]      # sampling prompts start the same way
     for data, msg in [({"kind": "mqar", "bos": True}, "data.bos: must be false for mqar"),
                       ({"kind": "stdlib", "bos": True, "pack": True}, "data.bos: must be false with data.pack")]:
         with pytest.raises(ConfigError, match=msg):
