@@ -48,9 +48,16 @@ def loss_curves(runs, path):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    return save_png(fig, path)
+
+
+def save_png(fig, path):
+    """Write a matplotlib figure as a PNG atomically (an interrupted or failed write never leaves a torn
+    file) and close it; returns path."""
+    import matplotlib.pyplot as plt
     from data.tokens import atomic_write
-    try:  # atomically: an interrupted or failed write never leaves a torn PNG
+    fig.tight_layout()
+    try:
         atomic_write(path, lambda f: fig.savefig(f, dpi=80, format="png"))
     finally:
         plt.close(fig)

@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ablate  # noqa: E402
 import evals  # noqa: E402
-from data.tokens import DataError, atomic_write  # noqa: E402
+from data.tokens import DataError  # noqa: E402
+from plot import save_png  # noqa: E402
 from sample import load_model  # noqa: E402
 
 
@@ -64,11 +65,7 @@ def plot(out, train_len, path):
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    try:
-        atomic_write(path, lambda f: fig.savefig(f, dpi=80, format="png"))
-    finally:
-        plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv=None):
