@@ -7,7 +7,7 @@ cache, a recent window only, and 4 first tokens + the window (evals.eval_streami
 table per run and writes a plot of the position-0 share over training.
 
     python studies/attention_sinks.py runs/streaming_long/global runs/streaming_long/learned_sinks \
-        --budget 64 --factor 4 --out docs/attention_sinks.png
+        --budgets 16 32 64 --factor 4 --out docs/attention_sinks.png
 """
 import argparse
 import glob
@@ -32,15 +32,16 @@ def checkpoints(folder):
     return sorted(found)
 
 
-def study(folder, budget, n_sinks, factor, n_seqs, skip, log=print):
-    """{"shares": [(step, eval_attention_sinks result)], "streaming": eval_streaming of the last ckpt}."""
+def study(folder, budgets, n_sinks, factor, n_seqs, skip, log=print):
+    """{"shares": [(step, eval_attention_sinks result)], "streaming": {budget: eval_streaming of the last
+    checkpoint}, "val": its eval_val}."""
     shares = []
     for step, path in checkpoints(folder):
         model, cfg = load_model(path)
         shares.append((step, evals.run_eval("attention_sinks", model, cfg, {"n_seqs": n_seqs, "skip": skip})))
         log(f"{folder} step {step}: key 0 share {shares[-1][1]['key0_mean']:.3f} (uniform {shares[-1][1]['uniform']:.3f})")
-    stream = evals.run_eval("streaming", model, cfg, {"factor": factor, "budget": budget, "n_sinks": n_sinks,
-                                                      "n_seqs": n_seqs})
+    stream = {b: evals.run_eval("streaming", model, cfg, {"factor": factor, "budget": b, "n_sinks": n_sinks,
+                                                           "n_seqs": n_seqs}) for b in budgets}
     return {"shares": shares, "streaming": stream, "val": evals.run_eval("val", model, cfg, {"n_batches": 16})}
 
 
@@ -56,10 +57,12 @@ def table(folder, result):
         cells = [str(step)] + [f"{r[f'key0_L{i}']:.3f}" for i in layers]
         cells += [f"{r[f'learned_L{i}']:.3f}" for i in layers] if learned else []
         lines.append("| " + " | ".join(cells) + " |")
-    s, v = result["streaming"], result["val"]
-    lines += ["", f"last checkpoint: val loss {v['val_loss']:.3f}; stream perplexity: full cache {s['ppl_full']:.2f}, "
-              f"window only {s['ppl_window']:.2f}, sinks + window {s['ppl_sinks+window']:.2f}", ""]
-    return "\n".join(lines)
+    v = result["val"]
+    lines += ["", f"last checkpoint (step {shares[-1][0]}): val loss {v['val_loss']:.3f}; perplexity of the streams",
+              "", "| cache budget | full cache | window only | sinks + window |", "|---|---|---|---|"]
+    for b, s in result["streaming"].items():
+        lines.append(f"| {b} | {s['ppl_full']:.2f} | {s['ppl_window']:.2f} | {s['ppl_sinks+window']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(results, path):
@@ -88,7 +91,7 @@ def plot(results, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders with ckpt_<step>.pt files")
-    p.add_argument("--budget", type=int, default=64, help="keys kept by the evicting caches")
+    p.add_argument("--budgets", type=int, nargs="+", default=[64], help="keys kept by the evicting caches")
     p.add_argument("--n_sinks", type=int, default=4, help="first tokens kept by sinks + window")
     p.add_argument("--factor", type=float, default=4, help="stream length in training lengths")
     p.add_argument("--n_seqs", type=int, default=8)
@@ -96,8 +99,9 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="PNG of the position-0 share over steps")
     args = p.parse_args(argv)
     try:
-        evals.check_options("streaming", {"budget": args.budget, "n_sinks": args.n_sinks, "factor": args.factor})
-        results = {f: study(f, args.budget, args.n_sinks, args.factor, args.n_seqs, args.skip) for f in args.runs}
+        for b in args.budgets:
+            evals.check_options("streaming", {"budget": b, "n_sinks": args.n_sinks, "factor": args.factor})
+        results = {f: study(f, args.budgets, args.n_sinks, args.factor, args.n_seqs, args.skip) for f in args.runs}
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
