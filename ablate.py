@@ -632,8 +632,11 @@ def main(argv=None):
         if args.out_dir:
             sweep["out_dir"] = args.out_dir
         if args.dry_run:
-            for v, lr, s in run_list(sweep):
-                print(run_dir(sweep, v, s, lr), " ".join(sweep["variants"][v]))
+            try:
+                for v, lr, s in run_list(sweep):
+                    print(run_dir(sweep, v, s, lr), " ".join(sweep["variants"][v]), flush=True)
+            except BrokenPipeError:  # `--dry_run | head`: the reader has what it wanted
+                sys.stdout = open(os.devnull, "w")
             return 0
         if args.jobs < 1:
             raise SweepError(f"--jobs: must be an integer >= 1 (got {args.jobs})")

@@ -76,6 +76,9 @@ def test_cli_exit_code_and_help(tmp_path):
     assert r.returncode == 2 and "colour: unknown key" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("--help")
     assert r.returncode == 0 and "sweep file" in r.stdout
+    r = subprocess.run(f"{sys.executable} {os.path.join(ROOT, 'ablate.py')} {write_sweep(tmp_path, GRID.replace('seeds: [0, 1]', f'seeds: {list(range(1500))}'))} --dry_run | head -1",
+                       shell=True, capture_output=True, text=True, timeout=120)      # 6000 lines; the reader stops at 1
+    assert r.stdout.count("\n") == 1 and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
 
 
 def test_sweep_runs_resumes_and_reports(tmp_path):
