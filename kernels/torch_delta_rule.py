@@ -225,30 +225,36 @@ def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
         dS_after.append(from_out_n + transition_t_n @ dS_after[-1])
     dS0 = dS_after.pop()
     dS_next = torch.stack(dS_after[::-1], dim=2)                  # [B,H,N,K,V]: grad of the state after chunk n
+    del XY, transition_t, from_out, dS_after                      # dels: what backward holds at its peak
 
     # through the chunk map (u = U - W S, O = q_decayed S + P u, S_next = state_decay S + k_to_end^T u)
     u = U - W @ S_start                                           # [B,H,N,C,V]
     du = P.transpose(-1, -2) @ dO + k_to_end @ dS_next
+    del P
     dq_decayed = dO @ S_start.transpose(-1, -2)                   # [B,H,N,C,K]
     dP = (dO @ u.transpose(-1, -2)).tril() * same_doc
     dWU = torch.cat([-du @ S_start.transpose(-1, -2), du], dim=-1)
     dk_to_end = u @ dS_next.transpose(-1, -2)                     # [B,H,N,C,K]
     dG_last = (S_start * dS_next).sum(-1)[..., None, :] * state_decay.transpose(-1, -2)  # [B,H,N,1,K]
+    del u, du, dS_next
 
     # through the operators
     dXY = T_inv.transpose(-1, -2) @ dWU                           # WU = T_inv XY
+    del dWU, T_inv
     dA = -(dXY @ WU.transpose(-1, -2)).tril(-1) * same_doc        # T_inv = (I + A)^-1
+    del WU, W, U
     dX, dY = dXY[..., :K], dXY[..., K:]
     decay_from_start = torch.exp(G) * masks[1]
+    k_terms_X = dX * beta * decay_from_start
     dbeta = (dX * k * decay_from_start).sum(-1, keepdim=True) + (dY * v).sum(-1, keepdim=True)
     dv = beta * dY
+    del dXY, dX, dY
     # P[i,j] = (q_i exp(G_i - G_j)) . k_j  and  A[i,j] = beta_i (k_i exp(G_i - G_j)) . k_j, in one pass
     (from_P, from_A), (to_P, to_A) = _decayed_matmuls(torch.stack([dP, dA]), torch.stack([q, beta * k]),
                                                       k.expand(2, *k.shape), G)
     dbeta = dbeta + (k * from_A).sum(-1, keepdim=True)
     dP_diag = dP.diagonal(dim1=-2, dim2=-1)[..., None]           # P[i,i] = q_i . k_i: no decay
     dq = dq_decayed * decay_from_start + from_P + dP_diag * k
-    k_terms_X = dX * beta * decay_from_start
     dk = k_terms_X + to_P + dP_diag * q + beta * from_A + to_A + dk_to_end * torch.exp(G[..., -1:, :] - G) * last
     dG = q_decayed * dq_decayed + k * k_terms_X + q * from_P - k * to_P + k * (beta * from_A) - k * to_A
     dG[..., -1:, :] += dG_last
