@@ -1,7 +1,8 @@
 """MQAR accuracy against sequence length (issue 16) for the runs of a sweep with an lrs grid: every
 variant at its best lr (ablate.py's selection), each seed's last checkpoint evaluated on fresh MQAR
 sequences of each length with the training number of pairs (evals.eval_mqar, seq_len); mean ± std
-over seeds as a markdown table and a plot. Lengths above the training length test extrapolation.
+over seeds as a markdown table, and a plot of the mean (thick) and every seed (thin). Lengths above
+the training length test extrapolation.
 
     python studies/mqar_length.py sweeps/mqar_seeds.yaml --lengths 64 128 256 512 \
         --out docs/mqar_acc_vs_length.png
@@ -53,11 +54,11 @@ def plot(out, train_len, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for variant, (lr, accs) in out.items():
+    for variant, (lr, accs) in out.items():                       # the mean, and each seed thin
         Ls = list(accs)
-        means = [ablate._mean(accs[L]) for L in Ls]
-        stds = [ablate._std(accs[L]) for L in Ls]
-        ax.errorbar(Ls, means, yerr=stds, marker="o", capsize=3, label=f"{variant} (lr {lr:g})")
+        line, = ax.plot(Ls, [ablate._mean(accs[L]) for L in Ls], marker="o", lw=2, label=f"{variant} (lr {lr:g})")
+        for seed_accs in zip(*(accs[L] for L in Ls)):
+            ax.plot(Ls, seed_accs, color=line.get_color(), lw=0.8, alpha=0.4)
     ax.axvline(train_len, color="gray", ls=":", label="training length")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length")
