@@ -53,23 +53,22 @@ def _mqar_args(cfg, seq_len=None, n_pairs=None):
 
 
 def _val_tokens(cfg):
-    """The validation token stream of a text config (a flat numpy array)."""
+    """The validation token stream of a text config (a flat numpy array) and its end-of-text id."""
     from data import make_dataset
     data = make_dataset(cfg)
-    return np.concatenate([np.asarray(s.tokens) for s in data.val]), data.tokens_per_byte
+    return np.concatenate([np.asarray(s.tokens) for s in data.val]), data.val[0].eot_id
 
 
 def _text_batch(cfg, n, length, offset=0):
     """n val windows of length+1 tokens, spread over the val stream -> x, y [n, length]; with
     data.bos the inputs start with end-of-text, as the training rows do (data/tokens.py TokenLoader)."""
-    toks, _ = _val_tokens(cfg)
+    toks, eot = _val_tokens(cfg)
     if len(toks) < length + 2:
         raise ValueError(f"the val split holds {len(toks)} tokens, fewer than one window of {length + 1}")
     starts = np.linspace(offset, len(toks) - length - 2, n).astype(np.int64)
     buf = torch.from_numpy(np.stack([toks[s:s + length + 1].astype(np.int64) for s in starts]))
     if cfg.data.bos:
-        from data import make_dataset
-        return with_bos(buf[:, 1:-1], make_dataset(cfg).val[0].eot_id), buf[:, 1:]
+        return with_bos(buf[:, 1:-1], eot), buf[:, 1:]
     return buf[:, :-1], buf[:, 1:]
 
 
