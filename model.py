@@ -746,13 +746,14 @@ class DeltaNet(nn.Module):
         full = torch.cat([past, u], dim=1)                                  # [B, width-1+T, C]
         if cache is not None:
             cache.conv.copy_(full[:, full.shape[1] - (width - 1):])
-        if doc_pos is not None:  # the same sum tap by tap, each tap masked at document starts
-            T, w = u.shape[1], self.conv.to(u.dtype)                        # w [C, width]: last tap = now
-            out = sum(full[:, width - 1 - s:width - 1 - s + T] * w[:, width - 1 - s] * (doc_pos >= s)[:, None]
-                      for s in range(width))
-            return F.silu(out)
-        out = F.conv1d(full.transpose(1, 2), self.conv.to(u.dtype)[:, None, :], groups=u.shape[2])
-        return F.silu(out.transpose(1, 2))                                  # [B, T, C]
+        # tap by tap in [B, T, C] (on the CPU 1.6x faster than F.conv1d's [B, C, T] layout, forward and
+        # backward); with packed documents each tap is masked at document starts
+        T, w = u.shape[1], self.conv.to(u.dtype)                            # w [C, width]: last tap = now
+        out = 0
+        for s in range(width):                                              # tap s reads s tokens back
+            tap = full[:, width - 1 - s:width - 1 - s + T] * w[:, width - 1 - s]
+            out = out + (tap if doc_pos is None else tap * (doc_pos >= s)[:, None])
+        return F.silu(out)                                                  # [B, T, C]
 
     def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
         B, T, _ = x.shape

@@ -68,7 +68,7 @@ def _to_chunks(x, T_pad, C):
     x = x.to(_compute_dtype(x))
     if T_pad > T:
         x = F.pad(x, (0, 0) * len(rest) + (0, 0, 0, T_pad - T))
-    return x.reshape(B, T_pad // C, C, H, *rest).movedim(3, 1)
+    return x.reshape(B, T_pad // C, C, H, *rest).movedim(3, 1).contiguous()  # contiguous: 2-3x faster ops
 
 
 def _from_chunks(x, T):
