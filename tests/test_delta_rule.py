@@ -243,14 +243,15 @@ def strong_decay(g, per_channel, T):
 
 
 @pytest.mark.parametrize("T, cu_seqlens", [(1, None), (63, None), (64, None), (65, None), (200, None),
-                                           (300, [0, 1, 3, 66, 130, 131, 300])], ids=str)
+                                           (300, [0, 1, 3, 66, 130, 131, 300]),
+                                           (600, [0, 190, 200, 500, 530, 600])], ids=str)
 @pytest.mark.parametrize("per_channel", [True, False], ids=["kda", "gdn"])
 def test_hand_backward_equals_autograd(T, cu_seqlens, per_channel):
     """The hand-written backward (_ChunkedDeltaRule) equals autograd through the same chunked forward
     math (_chunk_forward), for every input, with an initial state and strong decay; in float64 (the
     math exactly) and in float32 (the op as it runs, against autograd in float32: both carry the same
     float32 rounding, up to 2e-5 from the float64 loop here for a per-head gate). Packed documents:
-    boundaries inside chunks and across the GROUP spans the backward walks."""
+    boundaries inside chunks and across the spans the forward (8 chunks) and backward (3) walk."""
     from kernels.torch_delta_rule import _chunk_forward, _chunked_inputs, _from_chunks
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
     q, k, v, g, beta, S0 = make_inputs(T, per_channel, True)
