@@ -32,7 +32,9 @@ lower-triangular block follows from its halves' inverses:
     [[T11, 0], [A21, T22]]^-1 = [[T11^-1, 0], [-T22^-1 A21 T11^-1, T22^-1]]
 Starting from single positions (P = q_i . k_i, T^-1 = 1) and doubling six times gives the 64 x 64
 matrices, all with batched matmuls. Memory is O(T * (K + C) * log C), linear in T. A per-head gate
-(GDN) is the same with G of shape [..., C, 1] broadcast over K.
+(GDN, G of shape [..., C, 1]) factors out of the dot products: P = (q k^T) * D and A = beta (k k^T) * D
+with the [C, C] matrix D[i,j] = exp(G_i - G_j) (j <= i, the exponent masked to -inf above the diagonal),
+so only the inverse takes the halving (1.75x faster forward + backward than halving everything).
 
 Plain linear attention (`kind: linear`): S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale * q_t). It is
 not a special case of the delta rule (which writes a correction, not k v^T), so it has its own small
@@ -109,8 +111,19 @@ def _chunk_matrices(q, k, G, beta, doc=None):
     beta [..., C, 1]  doc [..., C, 1] document ids (packed documents: cross-document pairs are 0). Returns
       P     [..., C, C]: (q_i * exp(G_i - G_j)) . k_j for j <= i, else 0
       T_inv [..., C, C]: (I + A)^-1 with A[i,j] = beta_i (k_i * exp(G_i - G_j)) . k_j for j < i
+    A per-head gate (G [..., C, 1]) factors out of the dot products: P and A are then two matmuls times
+    one [C, C] decay matrix, and only the inverse needs the halving.
     """
     *lead, C, K = k.shape
+    if G.shape[-1] == 1:
+        decay = _pair_decay(G, doc)                               # [..., C, C]
+        P = (q @ k.transpose(-1, -2)) * decay
+        A = beta * (k @ k.transpose(-1, -2)) * decay.tril(-1)
+        T_inv, L = torch.ones_like(P[..., :1]).unsqueeze(-1), 2  # [..., C, 1, 1]: blocks of one position
+        while L <= C:
+            T_inv = _invert_level(T_inv, _diag_blocks(A, L)[..., L // 2:, :L // 2])
+            L *= 2
+        return P, T_inv.squeeze(-3)
     P = (q * k).sum(-1)[..., None, None]                          # [..., C, 1, 1]: blocks of one position
     T_inv = torch.ones_like(P)
     L = 2                                                         # block size at this level
@@ -127,11 +140,31 @@ def _chunk_matrices(q, k, G, beta, doc=None):
         k_low_t = (k_low * torch.exp(G_ref - G_low)).transpose(-1, -2)   # [..., C/L, K, h], exponent <= 0
         from_ref = torch.exp(G_high - G_ref)                             # exponent <= 0
         P = _join_blocks(P, same * ((q_high * from_ref) @ k_low_t))      # [..., C/L, L, L]
-        A21 = same * beta_high * ((k_high * from_ref) @ k_low_t)         # [..., C/L, h, h]
-        T11_inv, T22_inv = T_inv.unflatten(-3, (-1, 2)).unbind(-3)
-        T_inv = _join_blocks(T_inv, -(T22_inv @ A21) @ T11_inv)
+        T_inv = _invert_level(T_inv, same * beta_high * ((k_high * from_ref) @ k_low_t))
         L *= 2
     return P.squeeze(-3), T_inv.squeeze(-3)
+
+
+def _invert_level(T_inv, A21):
+    """One doubling of the inverse: the inverses of the diagonal blocks [..., 2n, h, h] and the lower-left
+    blocks A21 [..., n, h, h] of A -> the inverses [..., n, 2h, 2h] of the blocks twice the size."""
+    T11_inv, T22_inv = T_inv.unflatten(-3, (-1, 2)).unbind(-3)
+    return _join_blocks(T_inv, -(T22_inv @ A21) @ T11_inv)
+
+
+def _diag_blocks(M, L):
+    """The L x L blocks on the diagonal of M [..., C, C], as a view [..., C/L, L, L]."""
+    *lead, C, _ = M.shape
+    return M.view(*lead, C // L, L, C // L, L).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+
+
+def _pair_decay(G, doc=None):
+    """Per-head gate: [..., C, C] exp(G_i - G_j) for j <= i (and the same document), else 0.
+    G [..., C, 1]; the exponent is masked to -inf above the diagonal before exp, so nothing overflows."""
+    C = G.shape[-2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
+    decay = torch.exp((G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")))
+    return decay if doc is None else decay * (doc == doc.transpose(-1, -2))
 
 
 NO_DOCS = (None, 1.0, 1.0, 1.0)  # _doc_masks without packed documents: nothing masked
@@ -187,8 +220,12 @@ def _decayed_matmuls(M, a, b, G):
         F[i] = sum_{j<i} M[i,j] exp(G_i - G_j) b_j        B[j] = sum_{i>j} M[i,j] exp(G_i - G_j) a_i
     M [..., C, C] (its strict lower triangle is read)  a, b [..., C, K]  G [..., C, K or 1]. Built by the same
     recursive halving as _chunk_matrices: the pairs (i in a high half, j in its low half) factor through
-    the low half's last position r, with both exponents <= 0."""
+    the low half's last position r, with both exponents <= 0. A per-head gate (G [..., C, 1]) needs no halving:
+    F = (M * decay) b and B = (M * decay)^T a with the [C, C] decay matrix."""
     C, K = b.shape[-2:]
+    if G.shape[-1] == 1:                                          # per-head gate: one [C, C] decay matrix
+        M = M.tril(-1) * _pair_decay(G)
+        return M @ b, M.transpose(-1, -2) @ a
     F_, B_ = torch.zeros_like(b), torch.zeros_like(a)
     L = 2
     while L <= C:
@@ -197,8 +234,7 @@ def _decayed_matmuls(M, a, b, G):
         G_low, G_high = halves(G)
         G_ref = G_low[..., h - 1:, :]                             # [..., n, 1, K or 1]
         to_ref, from_ref = torch.exp(G_ref - G_low), torch.exp(G_high - G_ref)
-        blocks = M.reshape(*M.shape[:-2], n, L, n, L).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # [..., n, L, L]
-        M21 = blocks[..., h:, :h]                                 # rows in the high half, columns in the low
+        M21 = _diag_blocks(M, L)[..., h:, :h]                     # rows in the high half, columns in the low
         F_.view(*b.shape[:-2], n, 2, h, K)[..., 1, :, :] += (M21 @ (halves(b)[0] * to_ref)).mul_(from_ref)
         B_.view(*a.shape[:-2], n, 2, h, K)[..., 0, :, :] += (M21.transpose(-1, -2) @ (halves(a)[1] * from_ref)).mul_(to_ref)
         del to_ref, from_ref                                      # not alive while the next level allocates
