@@ -12,7 +12,7 @@ Times are the median of --repeat runs without the profiler.
 
     python bench/bench_delta_rule.py                       # B=1 H=4 K=V=64, T in 512 2048 8192
     python bench/bench_delta_rule.py --loop-max-T 2048     # skip the slow loop at longer T
-    python bench/bench_delta_rule.py --T 2048 --against main --threads 1
+    python bench/bench_delta_rule.py --T 2048 --against main --threads 1 [--gate head]
         # the torch path against kernels/torch_delta_rule.py as it is at git revision `main`, side by
         # side in this process with interleaved repeats (time ratio and peak-memory ratio)
 """
@@ -40,7 +40,8 @@ def loop_delta_rule(q, k, v, g, beta, scale):
     S = q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32)
     outs = []
     for t in range(T):
-        S = S * torch.exp(g[:, t].float())[..., None]
+        decay = torch.exp(g[:, t].float())                       # [B,H,K], or [B,H] for a per-head gate
+        S = S * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
         read = torch.einsum("bhk,bhkv->bhv", k[:, t].float(), S)
         write = beta[:, t, :, None].float() * (v[:, t].float() - read)
         S = S + k[:, t, :, :, None].float() * write[..., None, :]
@@ -48,11 +49,12 @@ def loop_delta_rule(q, k, v, g, beta, scale):
     return torch.stack(outs, dim=1).to(q.dtype)
 
 
-def make_inputs(B, T, H, K, V, device, dtype):
+def make_inputs(B, T, H, K, V, device, dtype, gate="channel"):
+    """gate: "channel" (KDA, g [B,T,H,K]) or "head" (GDN, g [B,T,H])."""
     q = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
     v = torch.randn(B, T, H, V, device=device)
-    g = -F.softplus(torch.randn(B, T, H, K, device=device) - 2)
+    g = -F.softplus(torch.randn(B, T, H, *([K] if gate == "channel" else []), device=device) - 2)
     beta = torch.sigmoid(torch.randn(B, T, H, device=device))
     return [x.to(dtype).requires_grad_() for x in (q, k, v, g, beta)]
 
@@ -140,10 +142,10 @@ def against(args, scale, device, dtype):
     before = load_at_revision(args.against).delta_rule_torch
     fns = {"now": lambda *x: delta_rule_torch(*x, scale=scale)[0],
            args.against: lambda *x: before(*x, scale=scale)[0]}
-    print(f"torch path now vs at {args.against}: B={args.B} H={args.H} K={args.K} V={args.V} {args.dtype} "
+    print(f"torch path now vs at {args.against}: B={args.B} H={args.H} K={args.K} V={args.V} {args.dtype} gate={args.gate} "
           f"on {device} (threads={torch.get_num_threads()}), forward+backward, median of {args.repeat} interleaved")
     for T in args.T:
-        inputs = make_inputs(args.B, T, args.H, args.K, args.V, device, dtype)
+        inputs = make_inputs(args.B, T, args.H, args.K, args.V, device, dtype, args.gate)
         times = {name: [] for name in fns}
         for fn in fns.values():
             fwd_bwd(fn, inputs)                                   # warm-up
@@ -164,6 +166,8 @@ def main():
     p.add_argument("--H", type=int, default=4)
     p.add_argument("--K", type=int, default=64, help="key/query head dim")
     p.add_argument("--V", type=int, default=64, help="value head dim")
+    p.add_argument("--gate", default="channel", choices=["channel", "head"],
+                   help="decay gate: per key channel (KDA) or one per head (GDN)")
     p.add_argument("--backend", default=None, choices=["torch", "triton"], help="delta-rule backend (default: by device)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -189,12 +193,12 @@ def main():
         return against(args, scale, device, dtype)
     looped = lambda q, k, v, g, beta: loop_delta_rule(q, k, v, g, beta, scale)
     softmax = lambda q, k, v, g, beta: softmax_attention(q, k, v, scale=scale)
-    print(f"B={args.B} H={args.H} K={args.K} V={args.V} {args.dtype} on {device} "
+    print(f"B={args.B} H={args.H} K={args.K} V={args.V} {args.dtype} gate={args.gate} on {device} "
           f"(threads={torch.get_num_threads()}), forward+backward, time = median of {args.repeat}")
     cols = ["T", "chunked ms", "chunked MB", "loop ms", "loop MB", "loop/chunked", "softmax ms", "softmax MB"]
     print(" | ".join(f"{c:>12}" for c in cols))
     for T in args.T:
-        inputs = make_inputs(args.B, T, args.H, args.K, args.V, device, dtype)
+        inputs = make_inputs(args.B, T, args.H, args.K, args.V, device, dtype, args.gate)
         row = [T]
         for name, fn in (("chunked", chunked), ("loop", looped), ("softmax", softmax)):
             if name == "loop" and args.loop_max_T is not None and T > args.loop_max_T:
