@@ -165,10 +165,12 @@ def _greedy(model, prompt, n_new):
 
 def _needle_text(model, cfg, contexts, depths, n_trials, seed):
     """Byte-level needle: filler from the val corpus, the fact "secret = 48213" planted at `depth`,
-    the query "secret = " at the end; score = exact match of the 5 greedy digits."""
+    the query "secret = " at the end; score = exact match of the 5 greedy digits. With data.bos the
+    prompt starts with end-of-text, as the training rows do (it counts in the context length)."""
     if cfg.model.vocab_size < 256:
         raise ValueError("the text needle needs a byte-level model (vocab_size >= 256)")
-    toks, _ = _val_tokens(cfg)
+    toks, eot = _val_tokens(cfg)
+    bos = [int(eot)] if cfg.data.bos else []
     rng = np.random.default_rng(seed)
     query = list(b"\nThe secret number is ")
     grid = []
@@ -178,11 +180,11 @@ def _needle_text(model, cfg, contexts, depths, n_trials, seed):
             for _ in range(n_trials):
                 number = f"{rng.integers(10000, 100000)}"
                 fact = list(f"\nThe secret number is {number}.\n".encode())
-                n_fill = L - len(fact) - len(query)
+                n_fill = L - len(bos) - len(fact) - len(query)
                 s = int(rng.integers(0, len(toks) - n_fill - 1))
                 filler = [int(t) if t < 256 else 10 for t in toks[s:s + n_fill]]
                 at = int(round(depth * n_fill))
-                prompts.append(filler[:at] + fact + filler[at:] + query)
+                prompts.append(bos + filler[:at] + fact + filler[at:] + query)
                 answers.append(number)
             out = _greedy(model, torch.tensor(prompts, device=_device(model)), 5).cpu().tolist()
             acc = float(np.mean([bytes(t % 256 for t in o).decode("latin-1") == a for o, a in zip(out, answers)]))

@@ -143,6 +143,25 @@ def test_text_needle_scores_exact_digits(tmp_path, monkeypatch):
     assert out["acc@2x"] == 1.0 and out["grid"][0]["context"] == 128
 
 
+def test_text_needle_starts_with_bos_for_bos_models(monkeypatch):
+    """data.bos: the needle prompt opens with end-of-text, as the training rows do, and keeps its length."""
+    prompts = {}
+    for bos in (False, True):
+        cfg = from_raw({"model": {"vocab_size": 257, "d_model": 16, "n_layer": 1, "pattern": ["g"],
+                                  "layers": {"g": {"kind": "attn", "n_heads": 2}}, "mlp": {"hidden": 32}},
+                        "train": {"seq_len": 64}, "data": {"bos": bos}})
+        monkeypatch.setattr(evals, "_val_tokens", lambda cfg: (np.frombuffer(b"x = 1\n" * 500, np.uint8), 256))
+
+        def record(model, prompt, n, bos=bos):
+            prompts[bos] = prompt
+            return torch.zeros(prompt.shape[0], n, dtype=torch.long)
+        monkeypatch.setattr(evals, "_greedy", record)
+        evals.eval_needle(GPT(cfg.model), cfg, factors=(1,), depths=(0.0,), n_trials=2)
+    assert prompts[False].shape == prompts[True].shape == (2, 64)
+    assert (prompts[True][:, 0] == 256).all() and (prompts[False][:, 0] != 256).all()
+    assert (prompts[True][:, -20:] == prompts[False][:, -20:]).all()        # the same query at the end
+
+
 def test_cli(tmp_path, capsys):
     from train import save_checkpoint
     model, cfg = make(["g"], {"g": GLOBAL})
