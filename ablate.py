@@ -585,6 +585,15 @@ def make_plots(sweep, results):
     return made
 
 
+def _per_variant(cfgs, field, fmt):
+    """A train field across the variants' configs: the most common value, then the exceptions,
+    e.g. "1500 (swa32: 400)"."""
+    values = {v: getattr(c, field) for v, c in cfgs.items()}
+    common = max(set(values.values()), key=list(values.values()).count)
+    others = ", ".join(f"{v}: {fmt.format(x)}" for v, x in values.items() if x != common)
+    return fmt.format(common) + (f" ({others})" if others else "")
+
+
 def write_report(sweep):
     every = collect(sweep)
     if not every:
@@ -593,14 +602,14 @@ def write_report(sweep):
     grid = sweep["lrs"] != [None]
     results = {v: best_lr(sweep, rs, metric)[1] for v, rs in every.items()} if grid else every
     plots = make_plots(sweep, {v: rs for v, rs in results.items() if not rs[0].get("diverged")})
-    cfg0 = config_for(sweep, next(iter(results)), results[next(iter(results))][0]["seed"])
-    tc = cfg0.train
+    cfgs = {v: config_for(sweep, v, rs[0]["seed"]).train for v, rs in results.items()}
+    tc = next(iter(cfgs.values()))
     lrs = (f"lr grid {[float(_lr_tag(x)) for x in sweep['lrs']]}, each variant at its best lr by mean "
-           f"final {metric[0]}" if grid else f"lr {tc.lr:g}")
+           f"final {metric[0]}" if grid else f"lr {_per_variant(cfgs, 'lr', '{:g}')}")
     stop = f"; early stop at {tc.stop_at}" if tc.stop_at else ""
     lines = [f"# Sweep {os.path.basename(sweep['path'])}", "", sweep["description"].strip(), "",
              f"Base `{os.path.relpath(sweep['base'], ROOT)}`; seeds {sweep['seeds']}; "
-             f"{tc.max_steps} steps x {tc.batch_size} x {tc.seq_len} tokens, {lrs}{stop}. "
+             f"{_per_variant(cfgs, 'max_steps', '{}')} steps x {tc.batch_size} x {tc.seq_len} tokens, {lrs}{stop}. "
              "Cache bytes: analytic (cost.py), bf16, batch 1. decode ms/tok: CPU, batch 1, at context "
              f"{sweep['decode_ctx'] or tc.seq_len}. Seeds averaged.", "",
              results_table(sweep, results, metric if grid else None), ""]

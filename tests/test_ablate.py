@@ -172,3 +172,14 @@ def test_best_lr_is_the_best_mean_over_seeds():
     assert ablate.best_lr({}, [res(1e-3, 0.2), res(1e-2, 0, diverged=True)], ("val_loss", False))[0] == 1e-3
     assert ablate.mean_pm([1.0, 0.5]) == "0.75 ± 0.35" and ablate.mean_pm([None]) == "–"
 
+
+
+def test_report_header_names_the_variants_that_differ():
+    """The report's header gives the common steps / lr and the variants that override them, not the
+    first variant's values (a sweep with swa32: max_steps 400 used to print '400 steps' for all)."""
+    from types import SimpleNamespace as NS
+    cfgs = {"swa32": NS(max_steps=400, lr=1e-3), "attn": NS(max_steps=1500, lr=1e-3),
+            "kda": NS(max_steps=1500, lr=1e-3), "hybrid": NS(max_steps=1500, lr=3e-3)}
+    assert ablate._per_variant(cfgs, "max_steps", "{}") == "1500 (swa32: 400)"
+    assert ablate._per_variant(cfgs, "lr", "{:g}") == "0.001 (hybrid: 0.003)"
+    assert ablate._per_variant({"a": NS(lr=1e-3)}, "lr", "{:g}") == "0.001"
