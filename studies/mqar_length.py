@@ -1,8 +1,8 @@
-"""MQAR accuracy against sequence length (issue 16) for the runs of a sweep with an lrs grid: every
-variant at its best lr (ablate.py's selection), each seed's last checkpoint evaluated on fresh MQAR
-sequences of each length with the training number of pairs (evals.eval_mqar, seq_len); mean ± std
-over seeds as a markdown table, and a plot of the mean (thick) and every seed (thin). Lengths above
-the training length test extrapolation.
+"""MQAR accuracy against sequence length (issue 16) for the runs of a sweep: every variant at its
+best lr (ablate.py's selection; without an lrs grid, its one lr), each seed's last checkpoint
+evaluated on fresh MQAR sequences of each length with the training number of pairs
+(evals.eval_mqar, seq_len); mean ± std over seeds as a markdown table, and a plot of the mean
+(thick) and every seed (thin). Lengths above the training length test extrapolation.
 
     python studies/mqar_length.py sweeps/mqar_seeds.yaml --lengths 64 128 256 512 \
         --out docs/mqar_acc_vs_length.png
