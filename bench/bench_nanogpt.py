@@ -9,6 +9,7 @@ so a noisy machine slows them alike. Printed: tokens/s (median over repeats) and
 
     python bench/bench_nanogpt.py                                  # dense attention vs the baseline
     python bench/bench_nanogpt.py --kinds attn kda gdn mla --threads 1
+    python bench/bench_nanogpt.py --kinds attn attn_nope --threads 1   # what RoPE costs
     python bench/bench_nanogpt.py --steps 2 --repeat 1 --T 32 --B 2   # a quick smoke run
 """
 import argparse
@@ -80,9 +81,11 @@ def nano_optimizer(model, lr):
 
 
 def hybrid_config(kind, args):
-    """A one-kind hybrid model at the benchmark shape (MHA attention with RoPE for `attn`)."""
+    """A one-kind hybrid model at the benchmark shape (MHA attention with RoPE for `attn`; `attn_nope`
+    is the same without RoPE, like the baseline, which pays nothing for its learned positions)."""
     H, D = args.heads, args.d // args.heads
     mixers = {"attn": {"kind": "attn", "n_heads": H},
+              "attn_nope": {"kind": "attn", "n_heads": H, "rope": False},
               "kda": {"kind": "kda", "n_heads": H, "head_dim": D},
               "gdn": {"kind": "gdn", "n_heads": H, "head_dim": D},
               "linear": {"kind": "linear", "n_heads": H, "head_dim": D},

@@ -17,9 +17,9 @@ def test_nanogpt_baseline_learns_and_bench_reports_every_kind():
     x = torch.randint(0, 17, (4, 16))
     losses = [bench_nanogpt.train_step(model, opt, x, x.roll(-1, 1)) for _ in range(30)]
     assert losses[-1] < 0.5 * losses[0]
-    rates = bench_nanogpt.main(["--kinds", "attn", "kda", "--d", "32", "--heads", "2", "--layers", "1",
+    rates = bench_nanogpt.main(["--kinds", "attn", "attn_nope", "kda", "--d", "32", "--heads", "2", "--layers", "1",
                                 "--T", "16", "--B", "2", "--steps", "1", "--repeat", "1", "--vocab", "17"])
-    assert set(rates) == {"nanogpt", "attn", "kda"} and all(r > 0 for r in rates.values())
+    assert set(rates) == {"nanogpt", "attn", "attn_nope", "kda"} and all(r > 0 for r in rates.values())
 
 
 def run_gpu_check(tmp_path, *args):
