@@ -86,6 +86,48 @@ def _norm_override(o, where):
 
 def load_sweep(path):
     """Read and check a sweep file: every variant's config is built and validated before any run."""
+    raw = _sweep_mapping(path)
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise SweepError(f"{path}: seeds: must be a non-empty list of integers (got {seeds!r})")
+    lrs = raw.get("lrs")
+    if lrs is not None:
+        lrs = [_float(x) for x in lrs] if isinstance(lrs, list) else None
+        if not lrs or not all(x is not None and x > 0 for x in lrs) or len(set(map(_lr_tag, lrs))) != len(lrs):
+            raise SweepError(f"{path}: lrs: must be a non-empty list of distinct positive numbers (got {raw['lrs']!r})")
+    select = raw.get("select")
+    if select is not None and select not in STOP_METRICS:
+        raise SweepError(f"{path}: select: must be one of {', '.join(STOP_METRICS)} (got {select!r})")
+    for key, default, allowed in (("threads", 1, "an integer >= 1"), ("decode_ctx", None, "an integer >= 1 or null")):
+        value = raw.get(key, default)
+        if not (value is None and default is None) and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise SweepError(f"{path}: {key}: must be {allowed} (got {value!r})")
+    out_dir = raw.get("out_dir") or os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
+    if not isinstance(out_dir, str):
+        raise SweepError(f"{path}: out_dir: must be a folder path (got {out_dir!r})")
+    evs = _sweep_evals(path, raw.get("evals") or {})
+    sweep = {"path": path, "base": _base_config(path, raw["base"]), "out_dir": out_dir, "seeds": seeds,
+             "evals": evs, "threads": raw.get("threads", 1), "decode_ctx": raw.get("decode_ctx"),
+             "description": raw.get("description", ""), "common": _common_overrides(path, raw),
+             "variants": {}, "lrs": lrs or [None], "select": select}
+    variants = raw["variants"]
+    if not isinstance(variants, dict) or not variants:
+        raise SweepError(f"{path}: variants: must be a non-empty mapping of name -> list of overrides")
+    for name, ovs in variants.items():
+        name = str(name)
+        sweep["variants"][name] = _variant_overrides(path, name, ovs)
+        try:
+            cfg = config_for(sweep, name, seeds[0], sweep["lrs"][0])
+            for ev, opts in evs.items():  # an eval the variant's data can never run (mqar on text, ...)
+                evals.check_options(ev, {**evals.eval_options(ev), **opts}, cfg)
+        except ValueError as e:
+            raise SweepError(f"{path}: variants.{name}: {e}") from None
+    return sweep
+
+
+def _sweep_mapping(path):
+    """The sweep file's mapping, with only known keys and the required ones present."""
     try:
         raw = read_yaml(path)
     except ConfigError as e:
@@ -98,40 +140,39 @@ def load_sweep(path):
     for key in ("base", "variants"):
         if key not in raw:
             raise SweepError(f"{path}: {key}: required key is missing ({SWEEP_KEYS[key]})")
-    here = os.path.dirname(os.path.abspath(path))
-    base = raw["base"]
+    return raw
+
+
+def _base_config(path, base):
+    """The base config file: relative to the sweep file, the repo root or the working directory."""
     if not isinstance(base, str):
         raise SweepError(f"{path}: base: must be a path to a config file (got {base!r})")
+    here = os.path.dirname(os.path.abspath(path))
     cands = [base if os.path.isabs(base) else os.path.join(d, base) for d in (here, ROOT, os.getcwd())]
     base_path = next((c for c in cands if os.path.isfile(c)), None)
     if base_path is None:
         raise SweepError(f"{path}: base: config file {base!r} not found (relative to the sweep file or repo root)")
-    seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
-        raise SweepError(f"{path}: seeds: must be a non-empty list of integers (got {seeds!r})")
+    return base_path
+
+
+def _common_overrides(path, raw):
+    """The overrides every run gets: the sweep's `overrides`, then its `stop_at` as train.stop_at."""
     common = raw.get("overrides") or []
     if isinstance(common, dict):
         common = [f"--{k}={json.dumps(v)}" for k, v in common.items()]
     if not isinstance(common, list):
         raise SweepError(f"{path}: overrides: must be a list of dotted overrides (got {common!r})")
     common = [_norm_override(o, f"{path}: overrides") for o in common]
-    lrs = raw.get("lrs")
-    if lrs is not None:
-        lrs = [_float(x) for x in lrs] if isinstance(lrs, list) else None
-        if not lrs or not all(x is not None and x > 0 for x in lrs) or len(set(map(_lr_tag, lrs))) != len(lrs):
-            raise SweepError(f"{path}: lrs: must be a non-empty list of distinct positive numbers (got {raw['lrs']!r})")
     stop_at = raw.get("stop_at")
     if stop_at is not None:
         if not isinstance(stop_at, dict) or not stop_at:
             raise SweepError(f"{path}: stop_at: must be a mapping of eval metric -> target, e.g. {{val_acc: 0.99}}")
         common = common + [f"--train.stop_at={json.dumps(stop_at)}"]
-    select = raw.get("select")
-    if select is not None and select not in STOP_METRICS:
-        raise SweepError(f"{path}: select: must be one of {', '.join(STOP_METRICS)} (got {select!r})")
-    variants = raw["variants"]
-    if not isinstance(variants, dict) or not variants:
-        raise SweepError(f"{path}: variants: must be a non-empty mapping of name -> list of overrides")
-    evs = raw.get("evals") or {}
+    return common
+
+
+def _sweep_evals(path, evs):
+    """eval name -> options, every name and option (and value, with the defaults) checked."""
     if isinstance(evs, list):
         evs = {name: {} for name in evs}
     if not isinstance(evs, dict):
@@ -150,38 +191,21 @@ def load_sweep(path):
             evals.check_options(name, {**evals.eval_options(name), **opts})
         except ValueError as e:
             raise SweepError(f"{path}: {e}") from None
-    for key, default, allowed in (("threads", 1, "an integer >= 1"), ("decode_ctx", None, "an integer >= 1 or null")):
-        value = raw.get(key, default)
-        if not (value is None and default is None) and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise SweepError(f"{path}: {key}: must be {allowed} (got {value!r})")
-    out_dir = raw.get("out_dir") or os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
-    if not isinstance(out_dir, str):
-        raise SweepError(f"{path}: out_dir: must be a folder path (got {out_dir!r})")
-    sweep = {"path": path, "base": base_path, "out_dir": out_dir, "seeds": seeds, "evals": evs,
-             "threads": raw.get("threads", 1), "decode_ctx": raw.get("decode_ctx"),
-             "description": raw.get("description", ""), "common": common, "variants": {},
-             "lrs": lrs or [None], "select": select}
-    for name, ovs in variants.items():
-        name = str(name)
-        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise SweepError(f"{path}: variants.{name}: names may hold letters, digits, '-', '_', '.' only")
-        if ovs is None:
-            ovs = []
-        if isinstance(ovs, dict):  # {model.pattern: [kda, attn]} -> --model.pattern=["kda", "attn"]
-            ovs = [f"--{k}={json.dumps(v)}" for k, v in ovs.items()]
-        if not isinstance(ovs, list):
-            raise SweepError(f"{path}: variants.{name}: must be a list of dotted overrides or a mapping "
-                             f"of dotted keys to values (got {ovs!r})")
-        ovs = [_norm_override(o, f"{path}: variants.{name}") for o in ovs]
-        sweep["variants"][name] = ovs
-        try:
-            cfg = config_for(sweep, name, seeds[0], sweep["lrs"][0])
-            for ev, opts in evs.items():  # an eval the variant's data can never run (mqar on text, ...)
-                evals.check_options(ev, {**evals.eval_options(ev), **opts}, cfg)
-        except ValueError as e:
-            raise SweepError(f"{path}: variants.{name}: {e}") from None
-    return sweep
+    return evs
+
+
+def _variant_overrides(path, name, ovs):
+    """A variant's overrides as --section.key=value strings (from a list, a mapping, or null)."""
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise SweepError(f"{path}: variants.{name}: names may hold letters, digits, '-', '_', '.' only")
+    if ovs is None:
+        ovs = []
+    if isinstance(ovs, dict):  # {model.pattern: [kda, attn]} -> --model.pattern=["kda", "attn"]
+        ovs = [f"--{k}={json.dumps(v)}" for k, v in ovs.items()]
+    if not isinstance(ovs, list):
+        raise SweepError(f"{path}: variants.{name}: must be a list of dotted overrides or a mapping "
+                         f"of dotted keys to values (got {ovs!r})")
+    return [_norm_override(o, f"{path}: variants.{name}") for o in ovs]
 
 
 def _float(x):
