@@ -291,7 +291,7 @@ def test_bench_model_options(capsys):
 def test_bench_nanogpt_options(capsys):
     """An unknown kind exited 1 without 'error:'; a bad shape was a ConfigError traceback."""
     import bench_nanogpt
-    for argv, match in [(["--kinds", "bogus"], r"--kinds: unknown kind 'bogus'; allowed: attn, kda"),
+    for argv, match in [(["--kinds", "bogus"], r"--kinds: unknown kind 'bogus'; allowed: attn, attn_nope, kda"),
                         (["--d", "0"], r"--d: must be an integer >= 1 \(got 0\)"),
                         (["--heads", "3"], r"--heads: must divide --d=256 \(got 3\)"),
                         (["--kinds", "mla", "--d", "8", "--heads", "8"], r"model.layers.mla")]:
