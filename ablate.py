@@ -664,19 +664,19 @@ def main(argv=None):
         sweep = load_sweep(args.sweep)
         if args.out_dir:
             sweep["out_dir"] = args.out_dir
+        only = args.only.split(",") if args.only else None
+        for v in only or []:
+            if v not in sweep["variants"]:
+                raise SweepError(f"--only: {v!r} is not a variant of {args.sweep} ({', '.join(sweep['variants'])})")
         if args.dry_run:
             try:
-                for v, lr, s in run_list(sweep):
+                for v, lr, s in run_list(sweep, only):
                     print(run_dir(sweep, v, s, lr), " ".join(sweep["variants"][v]), flush=True)
             except BrokenPipeError:  # `--dry_run | head`: the reader has what it wanted
                 sys.stdout = open(os.devnull, "w")
             return 0
         if args.jobs < 1:
             raise SweepError(f"--jobs: must be an integer >= 1 (got {args.jobs})")
-        only = args.only.split(",") if args.only else None
-        for v in only or []:
-            if v not in sweep["variants"]:
-                raise SweepError(f"--only: {v!r} is not a variant of {args.sweep} ({', '.join(sweep['variants'])})")
         if not args.report:
             check_writable(sweep["out_dir"], "--out_dir" if args.out_dir else f"{args.sweep}: out_dir", "folder")
             os.makedirs(sweep["out_dir"], exist_ok=True)

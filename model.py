@@ -328,6 +328,35 @@ class ModelConfig:
 # Building blocks
 
 
+class ScaleNorm(torch.autograd.Function):
+    """y = (x r) w with r = rsqrt(|x|^2 / n + eps) over the last dim, in fp32: RMSNorm (n = dim) and,
+    without w, the L2 norm (n = 1). Autograd through the elementwise chain keeps x^ besides x and runs
+    about ten passes over x-sized tensors; the backward by hand keeps x and r [..., 1] and runs eight:
+        x^ = x r,  g^ = g w,  dx = r (g^ - x^ sum(g^ x^) / n),  dw = sum over rows of g x^."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, n):
+        xf = x.float()
+        r = torch.rsqrt(xf.square().sum(-1, keepdim=True).div_(n).add_(eps))          # [..., 1]
+        ctx.save_for_backward(x, r, weight)
+        ctx.n = n
+        y = (xf * r).to(x.dtype)
+        return y if weight is None else y * weight
+
+    @staticmethod
+    def backward(ctx, g):
+        x, r, weight = ctx.saved_tensors
+        x_hat, g = x.float() * r, g.float()
+        dw = None
+        if weight is not None:
+            if ctx.needs_input_grad[1]:
+                dw = (g * x_hat.to(x.dtype)).flatten(0, -2).sum(0).to(weight.dtype)
+            g = g * weight.float()
+        dot = (g * x_hat).sum(-1, keepdim=True).div_(ctx.n)
+        dx = torch.addcmul(g, x_hat, dot, value=-1).mul_(r).to(x.dtype)   # g may be the caller's: not in place
+        return dx, dw, None, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps=1e-6):
         super().__init__()
@@ -335,8 +364,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return ScaleNorm.apply(x, self.weight, self.eps, x.shape[-1])
 
 
 def rope_angles(positions, dim, theta):
@@ -371,10 +399,35 @@ def token_positions(x, pos, cache, cu_seqlens, cp=None):
 def apply_rope(x, cos, sin):
     """Rotate x [B, T, H, D] by angles cos, sin [T, R/2] (or per row [B, T, R/2]): pairs are
     (x[i], x[i + R/2]) among the first R dims; dims R.. pass unrotated (partial RoPE). R == D is full RoPE."""
+    return Rope.apply(x, cos, sin)
+
+
+def rotate(x, cos, sin):
+    """[x1 cos - x2 sin, x2 cos + x1 sin, rest] (x1, x2: the halves of the first R dims), in fp32, as
+    x c + swap(x) s with c = [cos, cos, 1], s = [-sin, sin, 0]: three passes over x, no concatenation
+    of results."""
     r = cos.shape[-1]
-    x1, x2, rest = x[..., :r].float(), x[..., r:2 * r].float(), x[..., 2 * r:].float()
-    cos, sin = cos[..., None, :], sin[..., None, :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
+    xf = x.float()
+    pad = xf.shape[-1] - 2 * r                                        # dims past R pass unrotated
+    c = torch.cat([cos, cos, cos.new_ones(*cos.shape[:-1], pad)], -1)[..., None, :]    # [(B,) T, 1, D]
+    s = torch.cat([-sin, sin, sin.new_zeros(*sin.shape[:-1], pad)], -1)[..., None, :]
+    swapped = torch.cat([xf[..., r:2 * r], xf[..., :r], xf[..., 2 * r:]], -1)
+    return torch.addcmul(xf * c, swapped, s).to(x.dtype)
+
+
+class Rope(torch.autograd.Function):
+    """RoPE with its backward by hand: a rotation's transpose is the rotation by the opposite angle,
+    so the gradient is rotated by (cos, -sin); nothing the size of x is kept."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return rotate(g, cos, -sin), None, None
 
 
 class SwiGLU(nn.Module):
@@ -679,8 +732,7 @@ class DeltaConfig:
 
 def l2norm(x, eps=1e-6):
     """x / sqrt(|x|^2 + eps) over the last dim, as FLA and transformers' GDN/KDA compute it (fp32)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    return ScaleNorm.apply(x, None, eps, 1)
 
 
 def inverse_softplus(y):

@@ -71,6 +71,16 @@ def test_bad_sweep_files_are_one_line_errors(tmp_path, capsys, body, message):
     assert message in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1
 
 
+def test_dry_run_lists_only_the_chosen_variants(tmp_path, capsys):
+    path = write_sweep(tmp_path, SWEEP)
+    assert ablate.main([path, "--dry_run", "--only", "hybrid"]) == 0
+    listed = [os.path.basename(line.split()[0]) for line in capsys.readouterr().out.splitlines()]
+    assert listed == ["hybrid-s0"]
+    assert ablate.main([path, "--dry_run", "--only", "hybird"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only: 'hybird' is not a variant") and len(err.strip().splitlines()) == 1
+
+
 def test_cli_exit_code_and_help(tmp_path):
     r = run_cli(write_sweep(tmp_path, SWEEP + "colour: red\n"), "--dry_run")
     assert r.returncode == 2 and "colour: unknown key" in r.stderr and "Traceback" not in r.stderr

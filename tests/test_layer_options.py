@@ -59,6 +59,47 @@ def test_partial_rope_rotates_the_first_dims_only(fraction):
     torch.testing.assert_close(M.apply_rope(x, cos, sin), naive_rope(x, positions, cfg.rope_dim, 10000.0))
 
 
+@pytest.mark.parametrize("fraction,per_row", [(1.0, False), (0.5, False), (0.5, True)])
+def test_rope_backward_is_the_inverse_rotation(fraction, per_row):
+    """The hand-written backward (rotate the gradient by -angle) == autograd through the naive rotation."""
+    r = int(16 * fraction)
+    x = torch.randn(2, 5, 3, 16, requires_grad=True)
+    positions = torch.arange(3, 8)
+    cos, sin = M.rope_angles(positions.expand(2, 5) if per_row else positions, r, 10000.0)
+    g = torch.randn(2, 5, 3, 16)
+    ours, = torch.autograd.grad(M.apply_rope(x, cos, sin), x, g)
+    naive, = torch.autograd.grad(naive_rope(x, positions, r, 10000.0), x, g)
+    torch.testing.assert_close(ours, naive)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["rms", "l2"])
+def test_norm_backward_by_hand_equals_autograd(dtype, norm):
+    """ScaleNorm (RMSNorm, and the L2 norm of KDA/GDN's q, k): forward and hand-written backward ==
+    autograd through the fp32 formula, and the incoming gradient is left untouched."""
+    x = torch.randn(3, 7, 2, 16, dtype=dtype, requires_grad=True)
+    w = (1 + 0.5 * torch.randn(16)).requires_grad_(norm == "rms")
+
+    def formula(x):
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w if norm == "rms" else \
+            (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return y
+
+    ours = M.ScaleNorm.apply(x, w, 1e-6, 16) if norm == "rms" else M.l2norm(x)
+    ref = formula(x)
+    assert ours.dtype == ref.dtype
+    g = torch.randn_like(ref)
+    g_before = g.clone()
+    inputs = [x, w] if norm == "rms" else [x]
+    got, want = torch.autograd.grad(ours, inputs, g), torch.autograd.grad(ref, inputs, g)
+    assert torch.equal(g, g_before)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(ours, ref, **tol)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+
+
 def test_output_gate_at_zero_weights_halves_the_output():
     gated = make_model({"a": {**ATTN, "output_gate": True}}, n_layer=2)
     plain = make_model({"a": ATTN}, n_layer=2)
