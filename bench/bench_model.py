@@ -1,6 +1,7 @@
 """Benchmarks that print figures (not tests).
 
-    python bench/bench_model.py train  [--config CFG] [overrides]  training tokens/s (fwd + bwd + AdamW)
+    python bench/bench_model.py train  [--config CFG] [overrides]  training tokens/s (fwd + bwd + AdamW),
+                                                                  activation memory saved for backward
     python bench/bench_model.py decode [--config CFG] [overrides]  decode ms/token and cache bytes by context
 
 Models are randomly initialised; only speed and memory are measured.
@@ -24,12 +25,31 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def saved_activation_bytes(model, x):
+    """Bytes of the tensors autograd keeps from one forward for the backward, each storage once and
+    parameters excluded: the activation memory of a training step (plus the weight copies a step
+    builds, e.g. the concatenated q|k|v and gate|up matrices)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, x)
+    return sum(kept.values())
+
+
 def bench_train(cfg, steps, warmup):
     device = pick_device(cfg.train.device)
     model = GPT(cfg.model).to(device)
     opt = make_optimizer(model, cfg.train)
     B, T, V = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
     x = torch.randint(0, V, (B, T), device=device)
+    saved = saved_activation_bytes(model, x)
     for i in range(warmup + steps):
         if i == warmup:
             sync(device)
@@ -41,7 +61,8 @@ def bench_train(cfg, steps, warmup):
     sync(device)
     dt = time.perf_counter() - t0
     print(f"train: {model.num_params() / 1e6:.2f}M params, B={B} T={T}, device {device}: "
-          f"{steps * B * T / dt:,.0f} tokens/s ({dt / steps * 1000:.0f} ms/step)")
+          f"{steps * B * T / dt:,.0f} tokens/s ({dt / steps * 1000:.0f} ms/step), "
+          f"{saved / 2**20:.1f} MiB of activations saved for backward")
 
 
 @torch.no_grad()

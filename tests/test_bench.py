@@ -22,6 +22,21 @@ def test_nanogpt_baseline_learns_and_bench_reports_every_kind():
     assert set(rates) == {"nanogpt", "attn", "attn_nope", "kda"} and all(r > 0 for r in rates.values())
 
 
+def test_bench_model_counts_activations_not_parameters():
+    """What a training step keeps for backward is affine in the batch: the activations grow with it and
+    a constant part (the concatenated q|k|v and gate|up weights, built per step) does not; parameters,
+    which would add all their bytes to that constant, are not counted."""
+    import bench_model
+    from model import GPT, ModelConfig
+    torch.manual_seed(0)
+    model = GPT(ModelConfig.from_dict({"vocab_size": 16, "d_model": 16, "n_layer": 2, "pattern": ["a", "k"],
+                                       "layers": {"a": {"kind": "attn", "n_heads": 2}, "k": {"kind": "kda", "n_heads": 2}}}))
+    two, four, six = (bench_model.saved_activation_bytes(model, torch.randint(0, 16, (b, 8))) for b in (2, 4, 6))
+    assert four - two == six - four > 0
+    constant = 2 * two - four
+    assert 0 < constant < sum(p.nbytes for p in model.parameters())
+
+
 def run_gpu_check(tmp_path, *args):
     import json
     import gpu_check

@@ -100,6 +100,22 @@ def test_norm_backward_by_hand_equals_autograd(dtype, norm):
         torch.testing.assert_close(a, b, **tol)
 
 
+def test_norm_and_rope_keep_little_for_backward():
+    """RMSNorm keeps x and its [..., 1] scale only; RoPE keeps only its angles (nothing the size of x)."""
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    norm = M.RMSNorm(16)
+    kept = {}
+
+    def pack(t):
+        kept[t.data_ptr()] = t.nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        norm(x)
+        M.apply_rope(x.view(4, 8, 2, 8), *M.rope_angles(torch.arange(8), 8, 10000.0))
+    assert sum(kept.values()) == x.nbytes + 4 * 8 * 4 + norm.weight.nbytes + 2 * 8 * 4 * 4
+
+
 def test_output_gate_at_zero_weights_halves_the_output():
     gated = make_model({"a": {**ATTN, "output_gate": True}}, n_layer=2)
     plain = make_model({"a": ATTN}, n_layer=2)
