@@ -403,9 +403,9 @@ def apply_rope(x, cos, sin):
 
 
 def rotate(x, cos, sin):
-    """[x1 cos - x2 sin, x2 cos + x1 sin, rest] (x1, x2: the halves of the first R dims), in fp32, as
-    x c + swap(x) s with c = [cos, cos, 1], s = [-sin, sin, 0]: three passes over x, no concatenation
-    of results."""
+    """[x1 cos - x2 sin, x2 cos + x1 sin, rest] (x1, x2: the halves of the first R dims), computed in
+    fp32 as x c + swap(x) s with c = [cos, cos, 1], s = [-sin, sin, 0] (three passes over x: the swap,
+    the product, the fused multiply-add), returned in x's dtype."""
     r = cos.shape[-1]
     xf = x.float()
     pad = xf.shape[-1] - 2 * r                                        # dims past R pass unrotated
