@@ -77,7 +77,10 @@ def test_ddp_and_fsdp_on_two_ranks_match_one_rank(tmp_path):
     ref_muon = tmp_path / "one_muon"
     train(from_raw(raw_config(ref_muon, optimizer="muon")), quiet=True)
     a, b = losses(ref_muon), losses(tmp_path / "fsdp_muon")
-    assert max(abs(a[s] - b[s]) for s in a) <= 1e-4, (a, b)  # Newton-Schulz runs in bf16
+    # Newton-Schulz runs in bf16 (8 bits of mantissa): the ranks' different reduction order moves the
+    # gradients by ~1e-7, enough to flip bf16 roundings of the update. Measured: 1.2e-4 on losses of 3.4
+    # (3.5e-5 relative) since the hand-written RMSNorm backward (before it, under 1e-4); fp32 paths: 1e-5 above.
+    assert max(abs(a[s] - b[s]) for s in a) <= 3e-4, (a, b)
     # a checkpoint from 2 FSDP ranks resumes in one process
     ckpt = load_checkpoint(latest_checkpoint(str(tmp_path / "fsdp")))
     assert ckpt["world_size"] == 2 and ckpt["parallel"] == "fsdp" and len(ckpt["rng"]) == 2
