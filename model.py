@@ -352,8 +352,10 @@ class ScaleNorm(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = (g * x_hat.to(x.dtype)).flatten(0, -2).sum(0).to(weight.dtype)
             g = g * weight.float()
-        dot = (g * x_hat).sum(-1, keepdim=True).div_(ctx.n)
-        dx = torch.addcmul(g, x_hat, dot, value=-1).mul_(r).to(x.dtype)   # g may be the caller's: not in place
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dot = (g * x_hat).sum(-1, keepdim=True).div_(ctx.n)
+            dx = torch.addcmul(g, x_hat, dot, value=-1).mul_(r).to(x.dtype)   # g may be the caller's: not in place
         return dx, dw, None, None
 
 
