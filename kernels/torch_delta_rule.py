@@ -18,6 +18,10 @@ is what step j actually writes. Substituting S'_t into u_t gives a unit lower-tr
     O      = (q * exp(G)) S0 + P U_all,   P[i,j] = (q_i * exp(G_i - G_j)) . k_j   j <= i
     S_next = Diag(exp(G_last)) S0 + (k * exp(G_last - G))^T U_all
 
+In the code G is kept in log2 units (log2(e) times the sum of the g's), so each factor exp(G_i - G_j) above
+is an exp2 of a difference (torch.exp2 is about twice as fast as torch.exp on the CPU); the gradients
+(dG, dg) are still with respect to the natural-log decays.
+
 Everything except the last two lines is computed for all chunks at once; the loop over chunks
 carries only S (three small matmuls per chunk).
 
@@ -60,6 +64,8 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64  # positions per chunk; a power of two (the recursive halving needs it)
+LOG2E = 1.4426950408889634  # G is kept in log2 units: exp(G_i - G_j) = exp2(log2(e) (G_i - G_j)), and on the
+                            # CPU torch.exp2 takes about half the time of torch.exp (float32, AVX2)
 # chunks the autograd Function processes at once (bench/bench_delta_rule.py --against): the forward frees its
 # temporaries, so it takes larger groups (fewer, larger ops); the backward's temporaries set the op's peak
 # memory (B=1 H=4 K=V=64 T=2048: 3 chunks 18.5 MB, 4 chunks 19.9 MB, at about the same speed)
@@ -82,15 +88,6 @@ def _from_chunks(x, T):
     return x.movedim(1, 3).reshape(B, N * C, H, D)[:, :T]
 
 
-def _join_blocks(diag_blocks, lower_left):
-    """Diagonal blocks [..., 2n, h, h] and lower-left blocks [..., n, h, h] -> [..., n, 2h, 2h]:
-    block i becomes [[diag[2i], 0], [lower_left[i], diag[2i+1]]]."""
-    d = diag_blocks.unflatten(-3, (-1, 2))                       # [..., n, 2, h, h]
-    top = torch.cat([d[..., 0, :, :], torch.zeros_like(lower_left)], dim=-1)
-    bottom = torch.cat([lower_left, d[..., 1, :, :]], dim=-1)
-    return torch.cat([top, bottom], dim=-2)                       # [..., n, 2h, 2h]
-
-
 def _doc_masks(cu_seqlens, T_pad, C):
     """Packed-document masks of every chunk (float32, broadcast over B and H):
     doc [N, C, 1] document id (padding rows: the last document), cont [N, C, 1] continues from the
@@ -107,7 +104,7 @@ def _doc_masks(cu_seqlens, T_pad, C):
 def _chunk_matrices(q, k, G, beta, doc=None):
     """The state-independent matrices of each chunk, without a [C, C, K] tensor.
 
-    q, k [..., C, K]  G [..., C, K] or [..., C, 1] (cumulative log decay from the chunk start)
+    q, k [..., C, K]  G [..., C, K] or [..., C, 1] (cumulative log2 decay from the chunk start)
     beta [..., C, 1]  doc [..., C, 1] document ids (packed documents: cross-document pairs are 0). Returns
       P     [..., C, C]: (q_i * exp(G_i - G_j)) . k_j for j <= i, else 0
       T_inv [..., C, C]: (I + A)^-1 with A[i,j] = beta_i (k_i * exp(G_i - G_j)) . k_j for j < i
@@ -115,19 +112,18 @@ def _chunk_matrices(q, k, G, beta, doc=None):
     one [C, C] decay matrix, and only the inverse needs the halving.
     """
     *lead, C, K = k.shape
+    T_inv = k.new_zeros(*lead, C, C)                              # filled block by block, level by level
+    T_inv.diagonal(dim1=-2, dim2=-1).fill_(1.0)                   # blocks of one position: 1
     if G.shape[-1] == 1:
         decay = _pair_decay(G, doc)                               # [..., C, C]
         P = (q @ k.transpose(-1, -2)) * decay
         A = beta * (k @ k.transpose(-1, -2)) * decay.tril(-1)
-        T_inv, L = torch.ones_like(P[..., :1]).unsqueeze(-1), 2  # [..., C, 1, 1]: blocks of one position
-        while L <= C:
-            T_inv = _invert_level(T_inv, _diag_blocks(A, L)[..., L // 2:, :L // 2])
-            L *= 2
-        return P, T_inv.squeeze(-3)
-    P = (q * k).sum(-1)[..., None, None]                          # [..., C, 1, 1]: blocks of one position
-    T_inv = torch.ones_like(P)
-    L = 2                                                         # block size at this level
-    while L <= C:
+        for L in _levels(C):
+            _invert_level(T_inv, _diag_blocks(A, L)[..., L // 2:, :L // 2], L)
+        return P, T_inv
+    P = k.new_zeros(*lead, C, C)
+    P.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))          # P[i,i] = q_i . k_i: no decay
+    for L in _levels(C):                                          # L: the block size at this level
         h = L // 2
         halves = lambda x: x.reshape(*lead, C // L, 2, h, x.shape[-1]).unbind(-3)  # low, high: [..., C/L, h, D]
         (G_low, G_high), (k_low, k_high), q_high = halves(G), halves(k), halves(q)[1]
@@ -137,19 +133,29 @@ def _chunk_matrices(q, k, G, beta, doc=None):
             doc_low, doc_high = halves(doc)
             same = (doc_high == doc_low.transpose(-1, -2)).float()
         G_ref = G_low[..., h - 1:, :]                             # [..., C/L, 1, K]: last of the low half
-        k_low_t = (k_low * torch.exp(G_ref - G_low)).transpose(-1, -2)   # [..., C/L, K, h], exponent <= 0
-        from_ref = torch.exp(G_high - G_ref)                             # exponent <= 0
-        P = _join_blocks(P, same * ((q_high * from_ref) @ k_low_t))      # [..., C/L, L, L]
-        T_inv = _invert_level(T_inv, same * beta_high * ((k_high * from_ref) @ k_low_t))
-        L *= 2
-    return P.squeeze(-3), T_inv.squeeze(-3)
+        k_low_t = (k_low * torch.exp2(G_ref - G_low)).transpose(-1, -2)   # [..., C/L, K, h], exponent <= 0
+        from_ref = torch.exp2(G_high - G_ref)                             # exponent <= 0
+        _diag_blocks(P, L)[..., h:, :h] = same * ((q_high * from_ref) @ k_low_t)
+        _invert_level(T_inv, same * beta_high * ((k_high * from_ref) @ k_low_t), L)
+    return P, T_inv
 
 
-def _invert_level(T_inv, A21):
-    """One doubling of the inverse: the inverses of the diagonal blocks [..., 2n, h, h] and the lower-left
-    blocks A21 [..., n, h, h] of A -> the inverses [..., n, 2h, 2h] of the blocks twice the size."""
-    T11_inv, T22_inv = T_inv.unflatten(-3, (-1, 2)).unbind(-3)
-    return _join_blocks(T_inv, -(T22_inv @ A21) @ T11_inv)
+def _levels(C):
+    """The block sizes of the recursive halving: 2, 4, ..., C."""
+    return [2 ** i for i in range(1, C.bit_length())]
+
+
+def _invert_level(T_inv, A21, L):
+    """One doubling of the inverse, in place: T_inv [..., C, C] holds the inverses of the diagonal blocks of
+    size L/2; A21 [..., C/L, L/2, L/2] are the lower-left quarters of A's diagonal blocks of size L. Writes
+    the lower-left quarters of T_inv's blocks of size L:
+        [[T11, 0], [A21, T22]]^-1 = [[T11^-1, 0], [-T22^-1 A21 T11^-1, T22^-1]]
+    (T11^-1 and T22^-1 are copied out first, so autograd never sees a tensor it saved change.)"""
+    h = L // 2
+    blocks = _diag_blocks(T_inv, L)                               # [..., C/L, L, L], a view
+    T11_inv = blocks[..., :h, :h].clone(memory_format=torch.contiguous_format)
+    T22_inv = blocks[..., h:, h:].clone(memory_format=torch.contiguous_format)
+    blocks[..., h:, :h] = -(T22_inv @ A21) @ T11_inv
 
 
 def _diag_blocks(M, L):
@@ -163,7 +169,7 @@ def _pair_decay(G, doc=None):
     G [..., C, 1]; the exponent is masked to -inf above the diagonal before exp, so nothing overflows."""
     C = G.shape[-2]
     causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
-    decay = torch.exp((G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")))
+    decay = torch.exp2((G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")))
     return decay if doc is None else decay * (doc == doc.transpose(-1, -2))
 
 
@@ -182,11 +188,11 @@ def _chunk_operators(q, k, v, G, beta, masks=NO_DOCS):
     """
     doc, cont, last, carry = masks
     P, T_inv = _chunk_matrices(q, k, G, beta, doc)
-    decay_from_start = torch.exp(G) * cont                        # exponent <= 0; 0 after a boundary
+    decay_from_start = torch.exp2(G) * cont                        # exponent <= 0; 0 after a boundary
     XY = torch.cat([beta * k * decay_from_start, beta * v], dim=-1)
     G_last = G[..., -1:, :]                                       # [..., 1, K or 1]
-    k_to_end = k * torch.exp(G_last - G) * last                   # k_j decayed to the chunk end
-    state_decay = (torch.exp(G_last) * carry).transpose(-1, -2)
+    k_to_end = k * torch.exp2(G_last - G) * last                   # k_j decayed to the chunk end
+    state_decay = (torch.exp2(G_last) * carry).transpose(-1, -2)
     return P, T_inv, XY, T_inv @ XY, q * decay_from_start, k_to_end, state_decay
 
 
@@ -227,19 +233,25 @@ def _decayed_matmuls(M, a, b, G):
         M = M.tril(-1) * _pair_decay(G)
         return M @ b, M.transpose(-1, -2) @ a
     F_, B_ = torch.zeros_like(b), torch.zeros_like(a)
-    L = 2
-    while L <= C:
+    for L in _levels(C):
         h, n = L // 2, C // L
         halves = lambda x: x.reshape(*x.shape[:-2], n, 2, h, x.shape[-1]).unbind(-3)  # low, high: [..., n, h, D]
         G_low, G_high = halves(G)
         G_ref = G_low[..., h - 1:, :]                             # [..., n, 1, K or 1]
-        to_ref, from_ref = torch.exp(G_ref - G_low), torch.exp(G_high - G_ref)
+        to_ref, from_ref = torch.exp2(G_ref - G_low), torch.exp2(G_high - G_ref)
         M21 = _diag_blocks(M, L)[..., h:, :h]                     # rows in the high half, columns in the low
-        F_.view(*b.shape[:-2], n, 2, h, K)[..., 1, :, :] += (M21 @ (halves(b)[0] * to_ref)).mul_(from_ref)
-        B_.view(*a.shape[:-2], n, 2, h, K)[..., 0, :, :] += (M21.transpose(-1, -2) @ (halves(a)[1] * from_ref)).mul_(to_ref)
+        mm = _thin_matmul if h <= 2 else torch.matmul
+        F_.view(*b.shape[:-2], n, 2, h, K)[..., 1, :, :] += mm(M21, halves(b)[0] * to_ref).mul_(from_ref)
+        B_.view(*a.shape[:-2], n, 2, h, K)[..., 0, :, :] += mm(M21.transpose(-1, -2), halves(a)[1] * from_ref).mul_(to_ref)
         del to_ref, from_ref                                      # not alive while the next level allocates
-        L *= 2
     return F_, B_
+
+
+def _thin_matmul(a, b):
+    """a [..., m, h] @ b [..., h, n] for a tiny inner dimension h, as a sum of h broadcast products. For
+    [h, h] @ [h, 64] with h <= 2 (the first levels of the halving) torch's CPU bmm runs its scalar loop for
+    small products, about 4x slower than this."""
+    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
 
 
 def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
@@ -284,14 +296,14 @@ def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
     dA = -(dXY @ WU.transpose(-1, -2)).tril(-1) * same_doc        # T_inv = (I + A)^-1
     del WU, W, U
     dX, dY = dXY[..., :K], dXY[..., K:]
-    decay_from_start = torch.exp(G) * masks[1]
+    decay_from_start = torch.exp2(G) * masks[1]
     k_terms_X = dX * beta * decay_from_start
     dbeta = (dX * k * decay_from_start).sum(-1, keepdim=True) + (dY * v).sum(-1, keepdim=True)
     dv = beta * dY
     del dXY, dX, dY
     # the terms that do not go through P or A, summed now so that their parts are freed early
     dq = dq_decayed * decay_from_start
-    dk = k_terms_X + dk_to_end * torch.exp(G[..., -1:, :] - G) * last
+    dk = k_terms_X + dk_to_end * torch.exp2(G[..., -1:, :] - G) * last
     dG = q_decayed * dq_decayed + k * k_terms_X
     dG[..., -1:, :] += dG_last
     # k_j exp(G_last - G_j) depends on g_i for j < i <= last: its gradient reaches g_i as
@@ -370,12 +382,12 @@ def _groups(T, group):
 
 def _chunked_inputs(q, k, v, g, beta, scale, t0=0, t1=None, cu_seqlens=None):
     """[B,T,H,*] inputs, time steps t0 (a multiple of CHUNK) to t1 -> chunked float tensors: q * scale,
-    k [B,H,N,C,K], v [B,H,N,C,V], G [B,H,N,C,K or 1] (cumulative log decay from each chunk start),
+    k [B,H,N,C,K], v [B,H,N,C,V], G [B,H,N,C,K or 1] (cumulative log2 decay from each chunk start),
     beta [B,H,N,C,1], and the chunks' _doc_masks (NO_DOCS without cu_seqlens)."""
     C = CHUNK
     q, k, v, g, beta = (x[:, t0:t1] for x in (q, k, v, g, beta))
     T_pad = -(-q.shape[1] // C) * C                               # padded steps: g=0, beta=0, k=0
-    G = _to_chunks(g, T_pad, C).cumsum(3)
+    G = _to_chunks(g, T_pad, C).cumsum(3) * LOG2E                # log2 units: every decay is an exp2
     masks = NO_DOCS
     if cu_seqlens is not None:  # this span's chunks of the masks over the whole (padded) sequence
         n0, N = t0 // C, T_pad // C
