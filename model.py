@@ -801,11 +801,12 @@ class DeltaNet(nn.Module):
         if cache is not None:
             cache.conv.copy_(full[:, full.shape[1] - (width - 1):])
         # tap by tap in [B, T, C] (on the CPU 1.6x faster than F.conv1d's [B, C, T] layout, forward and
-        # backward); with packed documents each tap is masked at document starts
-        T, w = u.shape[1], self.conv.to(u.dtype)                            # w [C, width]: last tap = now
+        # backward); with packed documents each tap is masked at document starts. The taps' weights are
+        # made contiguous rows first: a strided [C] column of [C, width] made each multiply ~3x slower.
+        T, w = u.shape[1], self.conv.to(u.dtype).t().contiguous()           # w [width, C]: last tap = now
         out = 0
         for s in range(width):                                              # tap s reads s tokens back
-            tap = full[:, width - 1 - s:width - 1 - s + T] * w[:, width - 1 - s]
+            tap = full[:, width - 1 - s:width - 1 - s + T] * w[width - 1 - s]
             out = out + (tap if doc_pos is None else tap * (doc_pos >= s)[:, None])
         return F.silu(out)                                                  # [B, T, C]
 
