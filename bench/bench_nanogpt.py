@@ -83,6 +83,11 @@ def nano_optimizer(model, lr):
 def hybrid_config(kind, args):
     """A one-kind hybrid model at the benchmark shape (MHA attention with RoPE for `attn`; `attn_nope`
     is the same without RoPE, like the baseline, which pays nothing for its learned positions)."""
+    return ModelConfig.from_dict(hybrid_layers(kind, args))
+
+
+def hybrid_layers(kind, args):
+    """hybrid_config's model section as a dict (bench_revisions.py hands it to other revisions)."""
     H, D = args.heads, args.d // args.heads
     mixers = {"attn": {"kind": "attn", "n_heads": H},
               "attn_nope": {"kind": "attn", "n_heads": H, "rope": False},
@@ -93,8 +98,8 @@ def hybrid_config(kind, args):
                       "qk_rope_dim": D // 2, "v_head_dim": D}}
     if kind not in mixers:
         raise ConfigError(f"--kinds: unknown kind {kind!r}; allowed: {', '.join(mixers)}")
-    return ModelConfig.from_dict({"vocab_size": args.vocab, "d_model": args.d, "n_layer": args.layers,
-                                  "pattern": [kind], "layers": {kind: mixers[kind]}})
+    return {"vocab_size": args.vocab, "d_model": args.d, "n_layer": args.layers, "pattern": [kind],
+            "layers": {kind: mixers[kind]}}
 
 
 def train_step(model, opt, x, y):

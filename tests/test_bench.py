@@ -37,6 +37,20 @@ def test_bench_model_counts_activations_not_parameters():
     assert 0 < constant < sum(p.nbytes for p in model.parameters())
 
 
+def test_bench_revisions_steps_both_trees_and_refuses_unknown_revisions():
+    """bench_revisions.py builds the same model in a worker per tree (HEAD from git archive, and this
+    working tree), interleaves their steps and reports HEAD/now; an unknown revision is one clear line."""
+    import bench_revisions
+    ratios = bench_revisions.main(["--against", "HEAD", "--kinds", "attn", "kda", "--d", "16", "--heads", "2",
+                                   "--layers", "1", "--T", "16", "--B", "2", "--steps", "1", "--repeat", "1",
+                                   "--vocab", "17"])
+    assert set(ratios) == {"attn", "kda"} and all(0 < r < float("inf") for r in ratios.values())
+    with pytest.raises(SystemExit, match="git does not know revision 'no-such-rev'"):
+        bench_revisions.main(["--against", "no-such-rev"])
+    with pytest.raises(SystemExit, match="unknown kind 'foo'"):
+        bench_revisions.main(["--against", "HEAD", "--kinds", "foo"])
+
+
 def run_gpu_check(tmp_path, *args):
     import json
     import gpu_check
