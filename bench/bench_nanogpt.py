@@ -102,6 +102,21 @@ def hybrid_layers(kind, args):
             "layers": {kind: mixers[kind]}}
 
 
+def add_shape_args(p):
+    """The benchmark shape's flags: width, depth, heads, length, batch, vocabulary."""
+    for name, default in (("d", 256), ("layers", 4), ("heads", 4), ("T", 256), ("B", 8), ("vocab", 257)):
+        p.add_argument(f"--{name}", type=int, default=default)
+
+
+def check_args(args, more=()):
+    """A ConfigError naming the first shape flag (or flag in `more`) below 1, or heads not dividing d."""
+    for name in ("d", "layers", "heads", "T", "B", "vocab", *more):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name}: must be an integer >= 1 (got {getattr(args, name)})")
+    if args.d % args.heads:
+        raise ConfigError(f"--heads: must divide --d={args.d} (got {args.heads})")
+
+
 def train_step(model, opt, x, y):
     _, loss = model(x, y)
     loss.backward()
@@ -113,22 +128,13 @@ def train_step(model, opt, x, y):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kinds", nargs="+", default=["attn"], help="hybrid mixer kinds (one model each)")
-    p.add_argument("--d", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--T", type=int, default=256)
-    p.add_argument("--B", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=257)
+    add_shape_args(p)
     p.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
     p.add_argument("--repeat", type=int, default=5, help="interleaved repeats (median reported)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     try:  # every shape and kind before any model is built
-        for name in ("d", "layers", "heads", "T", "B", "vocab", "steps", "repeat"):
-            if getattr(args, name) < 1:
-                raise ConfigError(f"--{name}: must be an integer >= 1 (got {getattr(args, name)})")
-        if args.d % args.heads:
-            raise ConfigError(f"--heads: must divide --d={args.d} (got {args.heads})")
+        check_args(args, ("steps", "repeat"))
         cfgs = {kind: hybrid_config(kind, args) for kind in args.kinds}
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

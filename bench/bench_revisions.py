@@ -25,6 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_nanogpt import add_shape_args, check_args, hybrid_layers  # noqa: E402
+from config import load_config, read_yaml  # noqa: E402
+from model import ConfigError  # noqa: E402
+
 # Runs inside each worker, with its revision's root first on sys.path. Reads one JSON command per line:
 # {"build": model config dict, "B", "T", "vocab", "threads"} -> "ok"; {"steps": n} -> seconds for n steps.
 WORKER = r"""
@@ -99,11 +103,9 @@ def export(rev, folder):
 def model_configs(args):
     """name -> (model config dict, batch, length, vocab) for every model to compare."""
     if args.config:
-        from config import load_config, read_yaml
         cfg = load_config(args.config)                           # validated here, with a clear error
         return {os.path.basename(args.config): (read_yaml(args.config).get("model") or {}, cfg.train.batch_size,
                                                 cfg.train.seq_len, cfg.model.vocab_size)}
-    from bench_nanogpt import hybrid_layers
     return {kind: (hybrid_layers(kind, args), args.B, args.T, args.vocab) for kind in args.kinds}
 
 
@@ -112,21 +114,13 @@ def main(argv=None):
     p.add_argument("--against", required=True, help="git revision to compare the working tree with")
     p.add_argument("--kinds", nargs="+", default=["kda"], help="one-kind models of bench_nanogpt.py")
     p.add_argument("--config", default=None, help="a model config file instead of --kinds")
-    p.add_argument("--d", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--T", type=int, default=256)
-    p.add_argument("--B", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=257)
+    add_shape_args(p)
     p.add_argument("--steps", type=int, default=2, help="timed steps per round")
     p.add_argument("--repeat", type=int, default=7, help="interleaved rounds (median reported)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
-    for name in ("d", "layers", "heads", "T", "B", "vocab", "steps", "repeat", "threads"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name}: must be an integer >= 1 (got {getattr(args, name)})")
-    from model import ConfigError
     try:
+        check_args(args, ("steps", "repeat", "threads"))
         configs = model_configs(args)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
