@@ -68,7 +68,8 @@ LOG2E = 1.4426950408889634  # G is kept in log2 units: exp(G_i - G_j) = exp2(log
                             # CPU torch.exp2 takes about half the time of torch.exp (float32, AVX2)
 # chunks the autograd Function processes at once (bench/bench_delta_rule.py --against): the forward frees its
 # temporaries, so it takes larger groups (fewer, larger ops); the backward's temporaries set the op's peak
-# memory (B=1 H=4 K=V=64 T=2048: 3 chunks 18.5 MB, 4 chunks 19.9 MB, at about the same speed)
+# memory (B=1 H=4 K=V=64 T=2048: 3 chunks 18.5 MB, 4 chunks 19.9 MB, at about the same speed; 18.8 MB with
+# 3 since _chunk_matrices fills preallocated buffers)
 GROUP_FORWARD, GROUP_BACKWARD = 8, 3
 
 
@@ -133,8 +134,8 @@ def _chunk_matrices(q, k, G, beta, doc=None):
             doc_low, doc_high = halves(doc)
             same = (doc_high == doc_low.transpose(-1, -2)).float()
         G_ref = G_low[..., h - 1:, :]                             # [..., C/L, 1, K]: last of the low half
-        k_low_t = (k_low * torch.exp2(G_ref - G_low)).transpose(-1, -2)   # [..., C/L, K, h], exponent <= 0
-        from_ref = torch.exp2(G_high - G_ref)                             # exponent <= 0
+        k_low_t = (k_low * torch.exp2(G_ref - G_low)).transpose(-1, -2)  # [..., C/L, K, h], exponent <= 0
+        from_ref = torch.exp2(G_high - G_ref)                            # exponent <= 0
         _diag_blocks(P, L)[..., h:, :h] = same * ((q_high * from_ref) @ k_low_t)
         _invert_level(T_inv, same * beta_high * ((k_high * from_ref) @ k_low_t), L)
     return P, T_inv
@@ -188,10 +189,10 @@ def _chunk_operators(q, k, v, G, beta, masks=NO_DOCS):
     """
     doc, cont, last, carry = masks
     P, T_inv = _chunk_matrices(q, k, G, beta, doc)
-    decay_from_start = torch.exp2(G) * cont                        # exponent <= 0; 0 after a boundary
+    decay_from_start = torch.exp2(G) * cont                       # exponent <= 0; 0 after a boundary
     XY = torch.cat([beta * k * decay_from_start, beta * v], dim=-1)
     G_last = G[..., -1:, :]                                       # [..., 1, K or 1]
-    k_to_end = k * torch.exp2(G_last - G) * last                   # k_j decayed to the chunk end
+    k_to_end = k * torch.exp2(G_last - G) * last                  # k_j decayed to the chunk end
     state_decay = (torch.exp2(G_last) * carry).transpose(-1, -2)
     return P, T_inv, XY, T_inv @ XY, q * decay_from_start, k_to_end, state_decay
 
