@@ -139,6 +139,8 @@ def main(argv=None):
                 for r in range(args.repeat):                         # ABBA: neither tree always goes first
                     for w in (workers if r % 2 == 0 else workers[::-1]):
                         times[w.name].append(w.ask(steps=args.steps) / args.steps)
+            except RuntimeError as e:                                # a worker failed: one line, not a traceback
+                raise SystemExit(f"error: {name}: {e}") from None
             finally:
                 for w in workers:
                     w.close()
