@@ -10,8 +10,8 @@ train.batch_size and train.seq_len) and take a warm-up step; then the parent int
 steps: each round runs --steps steps in each worker, REV first in even rounds and last in odd ones, so
 a noisy machine slows both alike. Both train with plain AdamW (lr 1e-3), so only the model code
 differs. Printed per model: ms/step (median of --repeat rounds), tokens/s and REV/now (above 1: the
-working tree is faster). Unchanged code (the attention model, 42bdd08 vs 530e77d) read 0.98x in one run
-on a busy 2-core box, and 1.08x before the rounds alternated their order.
+working tree is faster). Unchanged code (the attention model, 42bdd08 vs later) read 0.98x and 1.04x
+in two runs on a 2-core box, and 1.08x before the rounds alternated their order: about 5% is noise.
 """
 import argparse
 import json
