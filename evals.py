@@ -336,7 +336,8 @@ def attention_shares(q, k, scale, sinks=None, n_first=4, skip=16):
 
     q [B, T, Hq, D], k [B, T, Hkv, D] (RoPE applied), causal; sinks [Hq] learned sink logits or None.
     Returns the mean share on key 0, on keys 0..n_first-1, on the learned sink (0 without sinks), and
-    what key 0 would get if every query attended uniformly (mean of 1 / (t + 1))."""
+    what key 0 would get if every query attended uniformly (mean of 1 / (t + 1)); `key0_heads` is key 0's
+    share per head [Hq] (a list), averaged over batch and queries."""
     B, T, Hq, D = q.shape
     k = k.repeat_interleave(Hq // k.shape[2], 2)
     s = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
@@ -345,20 +346,23 @@ def attention_shares(q, k, scale, sinks=None, n_first=4, skip=16):
         s = torch.cat([s, sinks.float().view(1, Hq, 1, 1).expand(B, Hq, T, 1)], -1)
     p = s.softmax(-1)[:, :, skip:]                                             # [B, H, T - skip, T (+1)]
     t = torch.arange(skip, T, dtype=torch.float32)
-    return {"key0": p[..., 0].mean().item(), "first": p[..., :n_first].sum(-1).mean().item(),
+    return {"key0": p[..., 0].mean().item(), "key0_heads": p[..., 0].mean((0, 2)).tolist(),
+            "first": p[..., :n_first].sum(-1).mean().item(),
             "learned": p[..., T].mean().item() if sinks is not None else 0.0,
             "uniform": (1.0 / (t + 1)).mean().item()}
 
 
 @torch.no_grad()
-def eval_attention_sinks(model, cfg, n_seqs=8, n_first=4, skip=16):
+def eval_attention_sinks(model, cfg, n_seqs=8, n_first=4, skip=16, head_threshold=0.3):
     """Attention sinks (StreamingLLM): the share of attention on position 0 per global attention layer.
 
     Per global softmax attention layer: the share on position 0 (`key0_L<i>`), on the first n_first
     positions (`first_L<i>`) and on the learned sink (`learned_L<i>`, gpt-oss sinks), averaged over heads
-    and over the queries at positions >= skip of n_seqs validation sequences of the training length;
-    `uniform` is key 0's share under uniform attention, the level without a sink. Layers of other
-    kinds are skipped."""
+    and over the queries at positions >= skip of n_seqs validation sequences of the training length, and
+    the share on position 0 of the layer's most sink-like head (`key0_maxhead_L<i>`); `uniform` is key 0's
+    share under uniform attention, the level without a sink. `sink_heads`: the fraction of all these
+    layers' heads whose share on position 0 exceeds head_threshold (Gu et al. 2024's sink ratio, with
+    their threshold 0.3). Layers of other kinds are skipped."""
     layers = [i for i, b in enumerate(model.blocks) if isinstance(b.mixer, Attention) and b.mixer.cfg.window is None]
     if not layers:
         raise ValueError("evals.attention_sinks: the model has no global softmax attention layer (kind attn "
@@ -371,13 +375,16 @@ def eval_attention_sinks(model, cfg, n_seqs=8, n_first=4, skip=16):
     h = model.wte(x.to(_device(model)))
     for i, block in enumerate(model.blocks):
         h = block(h, captures.get(i), 0)
-    out = {}
+    out, heads = {}, []
     for i in layers:
         q, k, _, scale, sinks = captures[i].qkv
         shares = attention_shares(q, k, scale, sinks, n_first, skip)
         out["uniform"] = shares.pop("uniform")
+        heads += shares.pop("key0_heads")
+        out[f"key0_maxhead_L{i}"] = max(heads[-q.shape[2]:])
         out.update({f"{name}_L{i}": v for name, v in shares.items()})
     out["key0_mean"] = sum(out[f"key0_L{i}"] for i in layers) / len(layers)
+    out["sink_heads"] = sum(h > head_threshold for h in heads) / len(heads)
     return out
 
 
@@ -563,7 +570,8 @@ OPTION_RULES = {
                     "budgets": _POSITIVE, "factor": _ABOVE_0, "n_seqs": _POSITIVE, "block_size": _POSITIVE},
     "palindrome": {"n_batches": _POSITIVE, "batch_size": _POSITIVE, "seq_len": _at_least(0)},
     "stack": {"n_batches": _POSITIVE, "batch_size": _POSITIVE, "seq_len": _at_least(0)},
-    "attention_sinks": {"n_seqs": _POSITIVE, "n_first": _POSITIVE, "skip": _at_least(0)},
+    "attention_sinks": {"n_seqs": _POSITIVE, "n_first": _POSITIVE, "skip": _at_least(0),
+                        "head_threshold": ((lambda v: 0 <= v < 1), "in [0, 1)")},
 }
 
 

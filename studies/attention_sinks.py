@@ -50,12 +50,16 @@ def table(folder, result):
     shares = result["shares"]
     layers = sorted(int(k[len("key0_L"):]) for k in shares[0][1] if k.startswith("key0_L"))
     learned = any(r[f"learned_L{i}"] > 0 for _, r in shares for i in layers)
-    head = ["step"] + [f"key 0, layer {i}" for i in layers] + ([f"learned sink, layer {i}" for i in layers] if learned else [])
-    lines = [f"{folder}: share of attention on position 0 (uniform attention: {shares[0][1]['uniform']:.3f})", "",
+    head = (["step"] + [f"key 0, layer {i}" for i in layers] + [f"strongest head, layer {i}" for i in layers]
+            + ([f"learned sink, layer {i}" for i in layers] if learned else []) + ["heads > 0.3"])
+    lines = [f"{folder}: share of attention on position 0, mean over heads and in the layer's strongest head; "
+             f"heads > 0.3: the fraction of all heads that put more than 0.3 there (uniform attention: "
+             f"{shares[0][1]['uniform']:.3f})", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for step, r in shares:
-        cells = [str(step)] + [f"{r[f'key0_L{i}']:.3f}" for i in layers]
+        cells = [str(step)] + [f"{r[f'key0_L{i}']:.3f}" for i in layers] + [f"{r[f'key0_maxhead_L{i}']:.3f}" for i in layers]
         cells += [f"{r[f'learned_L{i}']:.3f}" for i in layers] if learned else []
+        cells.append(f"{r['sink_heads']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     v = result["val"]
     lines += ["", f"last checkpoint (step {shares[-1][0]}): val loss {v['val_loss']:.3f}; perplexity of the streams",

@@ -74,16 +74,19 @@ def test_attention_shares_against_a_loop():
     for s in (None, sinks):
         got = evals.attention_shares(q, k, 0.5, s, n_first=2, skip=skip)
         key0 = first = learned = 0.0
+        heads = [0.0] * Hq
         for b in range(B):
             for h in range(Hq):
                 for t in range(skip, T):
                     logits = torch.cat([(k[b, :t + 1, h // 2] @ q[b, t, h]) * 0.5] + ([s[h:h + 1]] if s is not None else []))
                     p = logits.softmax(0)
                     key0, first = key0 + p[0].item(), first + p[:2].sum().item()
+                    heads[h] += p[0].item() / (B * (T - skip))
                     learned += p[t + 1].item() if s is not None else 0.0
         n = B * Hq * (T - skip)
         assert abs(got["key0"] - key0 / n) < 1e-6 and abs(got["first"] - first / n) < 1e-6
         assert abs(got["learned"] - learned / n) < 1e-6
+        assert len(got["key0_heads"]) == Hq and all(abs(a - b) < 1e-6 for a, b in zip(got["key0_heads"], heads))
     zero = evals.attention_shares(torch.zeros(B, T, Hq, D), k, 0.5, None, skip=skip)   # uniform attention
     assert abs(zero["key0"] - zero["uniform"]) < 1e-6
 
@@ -95,6 +98,11 @@ def test_eval_attention_sinks_reports_every_global_layer():
     assert {"key0_L1", "first_L1", "learned_L1", "key0_L3", "key0_mean", "uniform"} <= set(out)
     assert not any(k.endswith(("_L0", "_L2")) for k in out)
     assert all(0 <= v <= 1 for v in out.values()) and out["learned_L1"] > 0
+    for i in (1, 3):                                  # the strongest head holds at least the layer's mean
+        assert out[f"key0_L{i}"] - 1e-6 <= out[f"key0_maxhead_L{i}"] <= 1
+    assert out["sink_heads"] == 0.0                   # untrained: no head parks 30% on position 0
+    every = evals.run_eval("attention_sinks", model, cfg, {"n_seqs": 2, "skip": 4, "head_threshold": 0.0})
+    assert every["sink_heads"] == 1.0                 # threshold 0: every head counts
     with pytest.raises(ValueError, match="evals.attention_sinks.skip: must be below the training length 32"):
         evals.run_eval("attention_sinks", model, cfg, {"skip": 32})
     kda, cfg2 = make(["k"], {"k": {"kind": "kda", "n_heads": 2}})
