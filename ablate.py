@@ -4,6 +4,7 @@
     python ablate.py sweeps/mqar.yaml --report     # only collect finished runs into results.md + plots
     python ablate.py sweeps/mqar.yaml --dry_run    # check the sweep file and print the runs
     python ablate.py sweeps/mqar.yaml --only attn,kda   # a subset (e.g. two processes), then --report
+    python ablate.py sweeps/mqar.yaml --only kda --seeds 0   # one variant at one of the sweep's seeds
     python ablate.py sweeps/mqar_lr.yaml --jobs 4  # 4 runs at once, one process each, a line per run
 
 A sweep file (YAML):
@@ -236,9 +237,11 @@ def run_dir(sweep, variant, seed, lr=None):
     return os.path.join(sweep["out_dir"], f"{variant}" + (f"-lr{_lr_tag(lr)}" if lr is not None else "") + f"-s{seed}")
 
 
-def run_list(sweep, only=None):
-    """(variant, lr, seed) of every run in order; lr is None in a sweep without an lrs grid."""
-    return [(v, lr, s) for v in sweep["variants"] if not only or v in only for lr in sweep["lrs"] for s in sweep["seeds"]]
+def run_list(sweep, only=None, seeds=None):
+    """(variant, lr, seed) of every run in order (only / seeds: subsets of the variant names / seeds);
+    lr is None in a sweep without an lrs grid."""
+    return [(v, lr, s) for v in sweep["variants"] if not only or v in only for lr in sweep["lrs"]
+            for s in sweep["seeds"] if seeds is None or s in seeds]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,11 +378,11 @@ def _job(sweep, variant, lr, seed):
         return None, f"{type(e).__name__}: {e}"
 
 
-def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1):
-    """Run every variant x lr x seed (only: a subset of variant names). jobs > 1: that many runs at
-    once, each in its own process; a progress line per finished run either way."""
+def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1, seeds=None):
+    """Run every variant x lr x seed (only / seeds: a subset of the variant names / seeds). jobs > 1:
+    that many runs at once, each in its own process; a progress line per finished run either way."""
     import torch
-    runs = run_list(sweep, only)
+    runs = run_list(sweep, only, seeds)
     todo = [r for r in runs if not os.path.isfile(os.path.join(run_dir(sweep, r[0], r[2], r[1]), "result.json"))]
     n, t0 = len(runs), time.time()
     if len(todo) < n:
@@ -649,6 +652,20 @@ def write_report(sweep):
     return path
 
 
+def _chosen_seeds(text, sweep, path):
+    """--seeds "0,2" -> [0, 2], each one of the sweep's seeds; None (all) when not given."""
+    if text is None:
+        return None
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise SweepError(f"--seeds: must be comma-separated integers (got {text!r})") from None
+    for s in seeds:
+        if s not in sweep["seeds"]:
+            raise SweepError(f"--seeds: {s} is not a seed of {path} ({', '.join(map(str, sweep['seeds']))})")
+    return seeds
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", help="sweep file (YAML)")
@@ -657,6 +674,7 @@ def main(argv=None):
     p.add_argument("--out_dir", default=None, help="override the sweep folder")
     p.add_argument("--only", default=None, help="comma-separated variants to run (e.g. to split a sweep over "
                    "two processes; finish with --report)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds of the sweep to run (default: all)")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process each (default 1; "
                    f"this machine has {os.cpu_count()} cores)")
     args = p.parse_args(argv)
@@ -668,9 +686,10 @@ def main(argv=None):
         for v in only or []:
             if v not in sweep["variants"]:
                 raise SweepError(f"--only: {v!r} is not a variant of {args.sweep} ({', '.join(sweep['variants'])})")
+        seeds = _chosen_seeds(args.seeds, sweep, args.sweep)
         if args.dry_run:
             try:
-                for v, lr, s in run_list(sweep, only):
+                for v, lr, s in run_list(sweep, only, seeds):
                     print(run_dir(sweep, v, s, lr), " ".join(sweep["variants"][v]), flush=True)
             except BrokenPipeError:  # `--dry_run | head`: the reader has what it wanted
                 sys.stdout = open(os.devnull, "w")
@@ -680,7 +699,7 @@ def main(argv=None):
         if not args.report:
             check_writable(sweep["out_dir"], "--out_dir" if args.out_dir else f"{args.sweep}: out_dir", "folder")
             os.makedirs(sweep["out_dir"], exist_ok=True)
-            run_sweep(sweep, log=lambda m: print(m, flush=True), only=only, jobs=args.jobs)
+            run_sweep(sweep, log=lambda m: print(m, flush=True), only=only, jobs=args.jobs, seeds=seeds)
         path = write_report(sweep)
     except (SweepError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)

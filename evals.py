@@ -380,8 +380,9 @@ def eval_attention_sinks(model, cfg, n_seqs=8, n_first=4, skip=16, head_threshol
         q, k, _, scale, sinks = captures[i].qkv
         shares = attention_shares(q, k, scale, sinks, n_first, skip)
         out["uniform"] = shares.pop("uniform")
-        heads += shares.pop("key0_heads")
-        out[f"key0_maxhead_L{i}"] = max(heads[-q.shape[2]:])
+        per_head = shares.pop("key0_heads")
+        heads += per_head
+        out[f"key0_maxhead_L{i}"] = max(per_head)
         out.update({f"{name}_L{i}": v for name, v in shares.items()})
     out["key0_mean"] = sum(out[f"key0_L{i}"] for i in layers) / len(layers)
     out["sink_heads"] = sum(h > head_threshold for h in heads) / len(heads)

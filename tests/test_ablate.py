@@ -193,3 +193,14 @@ def test_report_header_names_the_variants_that_differ():
     assert ablate._per_variant(cfgs, "max_steps", "{}") == "1500 (swa32: 400)"
     assert ablate._per_variant(cfgs, "lr", "{:g}") == "0.001 (hybrid: 0.003)"
     assert ablate._per_variant({"a": NS(lr=1e-3)}, "lr", "{:g}") == "0.001"
+
+
+def test_dry_run_lists_only_the_chosen_seeds(tmp_path, capsys):
+    path = write_sweep(tmp_path, GRID)
+    assert ablate.main([path, "--dry_run", "--seeds", "1"]) == 0
+    listed = [os.path.basename(line.split()[0]) for line in capsys.readouterr().out.splitlines()]
+    assert listed and all(name.endswith("-s1") for name in listed) and len(listed) == len(ablate.run_list(ablate.load_sweep(path))) // 2
+    for bad, message in (("2", "--seeds: 2 is not a seed of"), ("0,x", "--seeds: must be comma-separated integers")):
+        assert ablate.main([path, "--dry_run", "--seeds", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1
