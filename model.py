@@ -406,15 +406,20 @@ def apply_rope(x, cos, sin):
 
 def rotate(x, cos, sin):
     """[x1 cos - x2 sin, x2 cos + x1 sin, rest] (x1, x2: the halves of the first R dims), computed in
-    fp32 as x c + swap(x) s with c = [cos, cos, 1], s = [-sin, sin, 0] (three passes over x: the swap,
-    the product, the fused multiply-add), returned in x's dtype."""
+    fp32, returned in x's dtype. Eager: half by half into one output (a multiply and a fused
+    multiply-add per half, no swapped copy of x: about 2x faster on the CPU than x c + swap(x) s).
+    Under torch.compile (which refuses out= views) the formula, which Inductor fuses."""
     r = cos.shape[-1]
     xf = x.float()
-    pad = xf.shape[-1] - 2 * r                                        # dims past R pass unrotated
-    c = torch.cat([cos, cos, cos.new_ones(*cos.shape[:-1], pad)], -1)[..., None, :]    # [(B,) T, 1, D]
-    s = torch.cat([-sin, sin, sin.new_zeros(*sin.shape[:-1], pad)], -1)[..., None, :]
-    swapped = torch.cat([xf[..., r:2 * r], xf[..., :r], xf[..., 2 * r:]], -1)
-    return torch.addcmul(xf * c, swapped, s).to(x.dtype)
+    c, s = cos[..., None, :], sin[..., None, :]                       # [(B,) T, 1, R/2]: every head
+    x1, x2, rest = xf[..., :r], xf[..., r:2 * r], xf[..., 2 * r:]     # dims past R pass unrotated
+    if torch.compiler.is_compiling():
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], -1).to(x.dtype)
+    out = torch.empty(xf.shape, dtype=xf.dtype, device=xf.device)
+    torch.mul(x1, c, out=out[..., :r]).addcmul_(x2, s, value=-1)
+    torch.mul(x2, c, out=out[..., r:2 * r]).addcmul_(x1, s)
+    out[..., 2 * r:] = rest
+    return out.to(x.dtype)
 
 
 class Rope(torch.autograd.Function):
@@ -432,6 +437,32 @@ class Rope(torch.autograd.Function):
         return rotate(g, cos, -sin), None, None
 
 
+class SiluGate(torch.autograd.Function):
+    """silu(gate) * up for h = [gate | up] (one matmul's output, [..., 2H]) with the backward by hand: it
+    keeps only h and (eager) writes both halves of dh into one tensor. Autograd through chunk, silu and
+    the product also kept silu(gate) and concatenated the two halves' gradients (a copy of dh).
+        d_up = g silu(gate),   d_gate = silu'(gate) g up"""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g):
+        h, = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():                         # out= views are refused; Inductor fuses this
+            return torch.cat([torch.ops.aten.silu_backward(g * up, gate), g * F.silu(gate)], -1)
+        dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+        d_gate, d_up = dh.chunk(2, dim=-1)
+        act = F.silu(gate)
+        torch.mul(g, act, out=d_up)
+        torch.ops.aten.silu_backward.grad_input(torch.mul(g, up, out=act), gate, grad_input=d_gate)
+        return dh
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d_model, hidden):
         super().__init__()
@@ -441,8 +472,8 @@ class SwiGLU(nn.Module):
         self.w2.residual_out = True
 
     def forward(self, x):
-        gate, up = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).chunk(2, dim=-1)  # one matmul
-        return self.w2(F.silu(gate) * up)
+        h = F.linear(x, torch.cat([self.w1.weight, self.w3.weight]))  # [gate | up]: one matmul
+        return self.w2(SiluGate.apply(h))
 
 
 class MoE(nn.Module):

@@ -3,6 +3,7 @@ biases, delta-rule value heads grouped over key heads, an untied output head. Ea
 forward, and an identity to the layer without it."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import model as M
 from model import ConfigError, ModelConfig
@@ -70,6 +71,36 @@ def test_rope_backward_is_the_inverse_rotation(fraction, per_row):
     ours, = torch.autograd.grad(M.apply_rope(x, cos, sin), x, g)
     naive, = torch.autograd.grad(naive_rope(x, positions, r, 10000.0), x, g)
     torch.testing.assert_close(ours, naive)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_gate_backward_by_hand_equals_autograd(dtype):
+    """SwiGLU's SiluGate (silu(gate) * up of one [gate | up] tensor, backward by hand into one dh) ==
+    autograd through chunk, silu and the product, forward and backward, bit for bit; g left untouched."""
+    h = torch.randn(3, 7, 2 * 24, dtype=dtype, requires_grad=True)
+    g = torch.randn(3, 7, 24, dtype=dtype)
+    g_before = g.clone()
+    gate, up = h.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    ours = M.SiluGate.apply(h)
+    got, = torch.autograd.grad(ours, h, g)
+    want, = torch.autograd.grad(ref, h, g)
+    assert torch.equal(ours, ref) and torch.equal(got, want) and torch.equal(g, g_before)
+
+
+def test_rope_of_a_strided_view_equals_the_naive_rotation():
+    """apply_rope on q sliced out of a fused q|k|v projection (a strided view, as in Attention) == the naive
+    rotation of a contiguous copy, forward and backward, full and partial RoPE."""
+    qkv = torch.randn(2, 5, 3 * 3 * 16, requires_grad=True)
+    positions = torch.arange(3, 8)
+    for r in (16, 8):
+        q = qkv[..., :48].view(2, 5, 3, 16)
+        cos, sin = M.rope_angles(positions, r, 10000.0)
+        g = torch.randn(2, 5, 3, 16)
+        ours = M.apply_rope(q, cos, sin)
+        naive = naive_rope(q.contiguous(), positions, r, 10000.0)
+        torch.testing.assert_close(ours, naive)
+        torch.testing.assert_close(torch.autograd.grad(ours, qkv, g)[0], torch.autograd.grad(naive, qkv, g)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
