@@ -331,31 +331,38 @@ class ModelConfig:
 class ScaleNorm(torch.autograd.Function):
     """y = (x r) w with r = rsqrt(|x|^2 / n + eps) over the last dim, in fp32: RMSNorm (n = dim) and,
     without w, the L2 norm (n = 1). Autograd through the elementwise chain keeps x^ besides x and runs
-    about ten passes over x-sized tensors; the backward by hand keeps x and r [..., 1] and runs eight:
+    about ten passes over x-sized tensors; the backward by hand keeps x and r [..., 1] and runs six,
+    with the per-row dot product of RMSNorm as a matrix-vector product:
         x^ = x r,  g^ = g w,  dx = r (g^ - x^ sum(g^ x^) / n),  dw = sum over rows of g x^."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, n):
         xf = x.float()
-        r = torch.rsqrt(xf.square().sum(-1, keepdim=True).div_(n).add_(eps))          # [..., 1]
+        r = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(n).add_(eps).rsqrt_()  # [..., 1]
         ctx.save_for_backward(x, r, weight)
         ctx.n = n
         y = (xf * r).to(x.dtype)
-        return y if weight is None else y * weight
+        if weight is None:
+            return y
+        return y.mul_(weight) if torch.promote_types(y.dtype, weight.dtype) == y.dtype else y * weight  # y is new
 
     @staticmethod
     def backward(ctx, g):
         x, r, weight = ctx.saved_tensors
         x_hat, g = x.float() * r, g.float()
         dw = None
-        if weight is not None:
-            if ctx.needs_input_grad[1]:
-                dw = (g * x_hat.to(x.dtype)).flatten(0, -2).sum(0).to(weight.dtype)
+        if weight is None:
+            dot = (g * x_hat).sum(-1)
+        else:
+            gx = g * x_hat
+            if ctx.needs_input_grad[1]:   # the forward rounded x^ to x's dtype before the weight
+                y_hat = gx if x.dtype == torch.float32 else g * x_hat.to(x.dtype)
+                dw = y_hat.flatten(0, -2).sum(0).to(weight.dtype)
+            dot = gx @ weight.float()                                          # sum(g^ x^): [...]
             g = g * weight.float()
         dx = None
         if ctx.needs_input_grad[0]:
-            dot = (g * x_hat).sum(-1, keepdim=True).div_(ctx.n)
-            dx = torch.addcmul(g, x_hat, dot, value=-1).mul_(r).to(x.dtype)   # g may be the caller's: not in place
+            dx = torch.addcmul(g, x_hat, dot.unsqueeze(-1).div_(ctx.n), value=-1).mul_(r).to(x.dtype)
         return dx, dw, None, None
 
 

@@ -88,6 +88,26 @@ def test_silu_gate_backward_by_hand_equals_autograd(dtype):
     assert torch.equal(ours, ref) and torch.equal(got, want) and torch.equal(g, g_before)
 
 
+@pytest.mark.parametrize("what", ["rms_norm", "l2_norm", "silu_gate", "rope"])
+def test_hand_written_functions_compile_without_graph_breaks(what):
+    """The autograd Functions on the CPU hot path trace whole under torch.compile (fullgraph=True; aot_eager:
+    the capture is what is tested) and give eager's values and gradients (their eager paths write into
+    views with out=, which Dynamo refuses, so the compiled path is a separate branch)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 16, requires_grad=True)
+    cos, sin = M.rope_angles(torch.arange(5), 8, 10000.0)
+    norm = M.RMSNorm(16)
+    f = {"rms_norm": norm, "l2_norm": M.l2norm, "silu_gate": M.SiluGate.apply,
+         "rope": lambda x: M.apply_rope(x, cos, sin)}[what]
+    g = torch.randn_like(f(x))
+    eager = f(x), *torch.autograd.grad(f(x), x, g)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    for a, b in zip((y, *torch.autograd.grad(y, x, g)), eager):
+        torch.testing.assert_close(a, b)
+
+
 def test_rope_of_a_strided_view_equals_the_naive_rotation():
     """apply_rope on q sliced out of a fused q|k|v projection (a strided view, as in Attention) == the naive
     rotation of a contiguous copy, forward and backward, full and partial RoPE."""
