@@ -652,18 +652,19 @@ def write_report(sweep):
     return path
 
 
-def _chosen_seeds(text, sweep, path):
-    """--seeds "0,2" -> [0, 2], each one of the sweep's seeds; None (all) when not given."""
+def _chosen(text, allowed, what, flag, path, cast=str):
+    """--only "a,b" / --seeds "0,2" -> the listed items, each one of `allowed` (the sweep's variants or
+    seeds; `what` names them); None (all) when the flag is not given."""
     if text is None:
         return None
     try:
-        seeds = [int(s) for s in text.split(",")]
+        items = [cast(x) for x in text.split(",")]
     except ValueError:
-        raise SweepError(f"--seeds: must be comma-separated integers (got {text!r})") from None
-    for s in seeds:
-        if s not in sweep["seeds"]:
-            raise SweepError(f"--seeds: {s} is not a seed of {path} ({', '.join(map(str, sweep['seeds']))})")
-    return seeds
+        raise SweepError(f"{flag}: must be comma-separated integers (got {text!r})") from None
+    for x in items:
+        if x not in allowed:
+            raise SweepError(f"{flag}: {x!r} is not a {what} of {path} ({', '.join(map(str, allowed))})")
+    return items
 
 
 def main(argv=None):
@@ -682,11 +683,8 @@ def main(argv=None):
         sweep = load_sweep(args.sweep)
         if args.out_dir:
             sweep["out_dir"] = args.out_dir
-        only = args.only.split(",") if args.only else None
-        for v in only or []:
-            if v not in sweep["variants"]:
-                raise SweepError(f"--only: {v!r} is not a variant of {args.sweep} ({', '.join(sweep['variants'])})")
-        seeds = _chosen_seeds(args.seeds, sweep, args.sweep)
+        only = _chosen(args.only or None, list(sweep["variants"]), "variant", "--only", args.sweep)
+        seeds = _chosen(args.seeds, sweep["seeds"], "seed", "--seeds", args.sweep, cast=int)
         if args.dry_run:
             try:
                 for v, lr, s in run_list(sweep, only, seeds):
