@@ -22,6 +22,7 @@ A sweep file (YAML):
       attn: {}                           #   mapping of dotted keys to values, or a list of strings
       swa32: {model.layers.attn.window: 32}
       kda: ["--model.pattern=[kda]", --model.layers.kda.n_heads=2]
+      kda_long: {after: kda, train.seq_len: 512}   # a curriculum stage: starts from kda's weights
     evals:                               # eval name -> options (see evals.py); {} = defaults
       mqar: {n_batches: 8}
       needle: {factors: [1, 2, 4]}
@@ -29,7 +30,10 @@ A sweep file (YAML):
     decode_ctx: 256                      # context at which decode ms/token is measured (CPU)
 
 Each run trains into <out_dir>/<variant>-s<seed>/ (with lrs: <variant>-lr<lr>-s<seed>/) and ends
-with result.json, written atomically; a run whose loss diverges (train.max_bad_steps) is recorded as
+with result.json, written atomically. A variant with `after: <an earlier variant>` is a curriculum
+stage: each of its runs starts from the weights of that variant's run with the same seed (and lr), as
+a fresh run (train.init_from: step 0, new optimizer and schedule), and waits for that run to finish;
+a stage whose earlier run has no result (not run, stopped, diverged) is reported and not started. A run whose loss diverges (train.max_bad_steps) is recorded as
 diverged and loses the lr selection. `--jobs N` trains N runs at once in separate processes (each
 with `threads` torch threads) and prints a progress line as each run ends. SIGTERM / SIGUSR1 /
 Ctrl-C: the running runs finish their step and save, no result is recorded for them, no further run
@@ -115,8 +119,12 @@ def load_sweep(path):
     variants = raw["variants"]
     if not isinstance(variants, dict) or not variants:
         raise SweepError(f"{path}: variants: must be a non-empty mapping of name -> list of overrides")
+    sweep["after"] = {}
     for name, ovs in variants.items():
         name = str(name)
+        if isinstance(ovs, dict) and "after" in ovs:
+            ovs = dict(ovs)
+            sweep["after"][name] = _earlier_variant(path, name, ovs.pop("after"), sweep["variants"])
         sweep["variants"][name] = _variant_overrides(path, name, ovs)
         try:
             cfg = config_for(sweep, name, seeds[0], sweep["lrs"][0])
@@ -209,6 +217,14 @@ def _variant_overrides(path, name, ovs):
     return [_norm_override(o, f"{path}: variants.{name}") for o in ovs]
 
 
+def _earlier_variant(path, name, after, earlier):
+    """A curriculum stage's `after`: the name of a variant listed before it."""
+    if not isinstance(after, str) or after not in earlier:
+        raise SweepError(f"{path}: variants.{name}.after: must name a variant listed above it "
+                         f"({', '.join(earlier) or 'none'}; got {after!r})")
+    return after
+
+
 def _float(x):
     """A YAML number (1e-3 without a dot reads as a string) -> float, or None."""
     try:
@@ -228,6 +244,8 @@ def config_for(sweep, variant, seed, lr=None):
         apply_override(raw, o)
     if lr is not None:
         apply_override(raw, f"--train.lr={lr!r}")
+    if variant in sweep.get("after", {}):  # a curriculum stage starts from its earlier stage's weights
+        apply_override(raw, f"--train.init_from={run_dir(sweep, sweep['after'][variant], seed, lr)}")
     apply_override(raw, f"--train.seed={seed}")
     apply_override(raw, f"--train.out_dir={run_dir(sweep, variant, seed, lr)}")
     return from_raw(raw)
@@ -271,6 +289,9 @@ def run_one(sweep, variant, seed, stop_at=None, log=print, lr=None):
     if os.path.isfile(done):
         with open(done) as f:
             return json.load(f)
+    why = stage_blocked(sweep, variant, seed, lr)
+    if why:
+        raise SweepError(f"[{os.path.basename(folder)}] {why}")
     cfg = config_for(sweep, variant, seed, lr)
     os.makedirs(folder, exist_ok=True)
     if not _lock(folder):
@@ -380,36 +401,73 @@ def _job(sweep, variant, lr, seed):
 
 def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1, seeds=None):
     """Run every variant x lr x seed (only / seeds: a subset of the variant names / seeds). jobs > 1:
-    that many runs at once, each in its own process; a progress line per finished run either way."""
+    that many runs at once, each in its own process; a curriculum stage starts once its earlier run has
+    finished. A progress line per finished (or unstartable) run either way."""
     import torch
     runs = run_list(sweep, only, seeds)
     todo = [r for r in runs if not os.path.isfile(os.path.join(run_dir(sweep, r[0], r[2], r[1]), "result.json"))]
     n, t0 = len(runs), time.time()
+    ended = [n - len(todo)]  # runs finished so far (a list: progress() counts up)
     if len(todo) < n:
         log(f"{n - len(todo)} of {n} runs already finished")
 
-    def progress(i, run, result, error=None):
+    def progress(run, result, error=None):
+        ended[0] += 1
         name = os.path.basename(run_dir(sweep, run[0], run[2], run[1]))
-        log(f"[{n - len(todo) + i}/{n}] {name}: {error or describe(result)} ({time.time() - t0:.0f}s into the sweep)")
+        log(f"[{ended[0]}/{n}] {name}: {error or describe(result)} ({time.time() - t0:.0f}s into the sweep)")
 
     if jobs <= 1 or stop_at is not None:
         torch.set_num_threads(int(sweep["threads"]))
-        for i, (variant, lr, seed) in enumerate(todo, 1):
-            progress(i, (variant, lr, seed), run_one(sweep, variant, seed, stop_at, log, lr=lr))
+        for variant, lr, seed in todo:
+            why = stage_blocked(sweep, variant, seed, lr)
+            progress((variant, lr, seed), None if why else run_one(sweep, variant, seed, stop_at, log, lr=lr), why)
         return
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+    pending, futures = list(todo), {}
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        futures = {pool.submit(_job, sweep, v, lr, s): (v, lr, s) for v, lr, s in todo}
+        def submit_ready():  # every pending run whose earlier stage (if any) is neither pending nor running
+            for run in list(pending):
+                variant, lr, seed = run
+                if (sweep.get("after", {}).get(variant), lr, seed) in pending + list(futures.values()):
+                    continue
+                pending.remove(run)
+                why = stage_blocked(sweep, variant, seed, lr)
+                if why:
+                    progress(run, None, why)
+                else:
+                    futures[pool.submit(_job, sweep, variant, lr, seed)] = run
         try:
-            for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-                result, error = fut.result()
-                progress(i, futures[fut], result, error)
+            submit_ready()
+            while futures:
+                finished, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+                for fut in finished:
+                    run = futures.pop(fut)
+                    progress(run, *fut.result())
+                submit_ready()
         except (KeyboardInterrupt, SweepStopped):  # Ctrl-C reaches every worker: each saves and stops
             log("stopping: the running runs finish their step and save a checkpoint; no new run starts")
             pool.shutdown(wait=True, cancel_futures=True)
             raise SweepStopped("stopped by a signal: runs without result.json resume from their checkpoint; "
                                "rerun the same command to continue the sweep") from None
+
+
+def stage_blocked(sweep, variant, seed, lr=None):
+    """Why a curriculum stage's run cannot start (its earlier stage's run has no usable result), or None:
+    not a stage, a usable earlier run, or a run already started (it resumes from its own checkpoint)."""
+    from train import latest_checkpoint
+    after = sweep.get("after", {}).get(variant)
+    if after is None or latest_checkpoint(run_dir(sweep, variant, seed, lr)):
+        return None
+    earlier = run_dir(sweep, after, seed, lr)
+    done = os.path.join(earlier, "result.json")
+    if not os.path.isfile(done):
+        return (f"not started: it starts from {os.path.basename(earlier)}, which has not finished (no "
+                f"result.json); run that first (--only {after})")
+    with open(done) as f:
+        if json.load(f).get("diverged"):
+            return f"not started: it starts from {os.path.basename(earlier)}, which diverged"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -688,7 +746,9 @@ def main(argv=None):
         if args.dry_run:
             try:
                 for v, lr, s in run_list(sweep, only, seeds):
-                    print(run_dir(sweep, v, s, lr), " ".join(sweep["variants"][v]), flush=True)
+                    after = sweep["after"].get(v)
+                    print(run_dir(sweep, v, s, lr), " ".join(sweep["variants"][v]) +
+                          (f" (starts from {run_dir(sweep, after, s, lr)})" if after else ""), flush=True)
             except BrokenPipeError:  # `--dry_run | head`: the reader has what it wanted
                 sys.stdout = open(os.devnull, "w")
             return 0

@@ -204,3 +204,54 @@ def test_dry_run_lists_only_the_chosen_seeds(tmp_path, capsys):
         assert ablate.main([path, "--dry_run", "--seeds", bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1
+
+
+CURRICULUM = SWEEP.replace("seeds: [0]", "seeds: [0, 1]").replace(
+    "  hybrid: {model.pattern: [kda, attn]}\n",
+    "  long: {after: attn, train.seq_len: 48, data.n_pairs: 6, train.max_steps: 6}\n").split("evals:")[0] + \
+    "evals:\n  mqar: {n_batches: 1, batch_size: 4}\n"
+
+
+@pytest.mark.parametrize("after", ["long", "nope", "[attn]"])
+def test_a_stage_must_come_after_a_listed_variant(tmp_path, capsys, after):
+    body = CURRICULUM.replace("after: attn", f"after: {after}")
+    assert ablate.main([write_sweep(tmp_path, body), "--dry_run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "variants.long.after: must name a variant listed above it (attn;" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_curriculum_stage_starts_from_its_earlier_run(tmp_path, capsys):
+    import torch
+    path = write_sweep(tmp_path, CURRICULUM)
+    assert ablate.main([path, "--dry_run", "--only", "long", "--seeds", "1"]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"(starts from {tmp_path / 'out' / 'attn-s1'})")
+    sweep = ablate.load_sweep(path)
+    assert ablate.config_for(sweep, "long", 1).train.init_from == str(tmp_path / "out" / "attn-s1")
+    assert ablate.config_for(sweep, "attn", 1).train.init_from is None
+    # the stage alone: its earlier runs have not run, so nothing starts, and each run says why
+    logs = []
+    ablate.run_sweep(sweep, log=logs.append, only=["long"], jobs=2)
+    assert len(logs) == 2 and all("not started: it starts from attn-s" in m and "(--only attn)" in m for m in logs)
+    assert not (tmp_path / "out" / "long-s0").exists()
+    with pytest.raises(ablate.SweepError, match=r"\[long-s0\] not started"):
+        ablate.run_one(sweep, "long", 0)
+    # the whole sweep with 2 processes: each stage's run waits for its earlier run, then starts from its weights
+    logs.clear()
+    ablate.run_sweep(sweep, log=logs.append, jobs=2)
+    order = [m.split("] ")[1].split(":")[0] for m in logs]
+    assert sorted(order) == ["attn-s0", "attn-s1", "long-s0", "long-s1"]
+    assert all(order.index(f"attn-s{s}") < order.index(f"long-s{s}") for s in (0, 1))
+    for s in (0, 1):
+        stage = json.loads((tmp_path / "out" / f"long-s{s}" / "result.json").read_text())
+        assert stage["final"]["step"] == 6                                 # a fresh run: its own 6 steps
+    # the stage's step 0 is the earlier run's end: one more run of the stage from the same weights, one step
+    # at lr 1e-12 (AdamW moves each weight by about the lr), holds the weights of attn-s0's last checkpoint
+    from train import latest_checkpoint, load_checkpoint, train
+    cfg = ablate.config_for(sweep, "long", 0)
+    cfg.train.out_dir, cfg.train.max_steps, cfg.train.ckpt_interval = str(tmp_path / "check"), 1, 1
+    cfg.train.lr, cfg.train.warmup_steps = 1e-12, 0
+    train(cfg, quiet=True)
+    start = load_checkpoint(latest_checkpoint(str(tmp_path / "check")))["model"]
+    end = load_checkpoint(latest_checkpoint(str(tmp_path / "out" / "attn-s0")))["model"]
+    assert start.keys() == end.keys() and all(torch.allclose(start[k], end[k], rtol=0, atol=1e-9) for k in start)
