@@ -33,9 +33,10 @@ Each run trains into <out_dir>/<variant>-s<seed>/ (with lrs: <variant>-lr<lr>-s<
 with result.json, written atomically. A variant with `after: <an earlier variant>` is a curriculum
 stage: each of its runs starts from the weights of that variant's run with the same seed (and lr), as
 a fresh run (train.init_from: step 0, new optimizer and schedule), and waits for that run to finish;
-a stage whose earlier run has no result (not run, stopped, diverged) is reported and not started. A run whose loss diverges (train.max_bad_steps) is recorded as
-diverged and loses the lr selection. `--jobs N` trains N runs at once in separate processes (each
-with `threads` torch threads) and prints a progress line as each run ends. SIGTERM / SIGUSR1 /
+a stage whose earlier run has no result (not run, stopped, diverged) is reported and not started.
+A run whose loss diverges (train.max_bad_steps) is recorded as diverged and loses the lr selection.
+`--jobs N` trains N runs at once in separate processes (each with `threads` torch threads) and prints
+a progress line as each run ends. SIGTERM / SIGUSR1 /
 Ctrl-C: the running runs finish their step and save, no result is recorded for them, no further run
 starts, exit 0. A rerun skips runs with a result.json and resumes half-finished runs from their last
 checkpoint (train.py's resume), so an interrupted sweep continues where it stopped. A run being
