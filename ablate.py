@@ -704,7 +704,9 @@ def write_report(sweep):
                   lr_table(sweep, every, metric), ""]
     lines += ["Variants:", ""]
     for v, ovs in sweep["variants"].items():
-        lines.append(f"- `{v}`: {' '.join(f'`{o}`' for o in ovs) or 'the base config'}")
+        after = sweep["after"].get(v)
+        lines.append(f"- `{v}`: {' '.join(f'`{o}`' for o in ovs) or 'the base config'}" +
+                     (f"; starts from `{after}`'s weights (same seed)" if after else ""))
     lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
     path = os.path.join(sweep["out_dir"], "results.md")
     atomic_write(path, lambda f: f.write("\n".join(lines)), mode="w")

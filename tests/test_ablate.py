@@ -1,6 +1,7 @@
 """ablate.py: sweep-file errors, a tiny sweep end to end, resume after an interruption."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -245,6 +246,8 @@ def test_curriculum_stage_starts_from_its_earlier_run(tmp_path, capsys):
     for s in (0, 1):
         stage = json.loads((tmp_path / "out" / f"long-s{s}" / "result.json").read_text())
         assert stage["final"]["step"] == 6                                 # a fresh run: its own 6 steps
+    report = open(ablate.write_report(sweep)).read()
+    assert re.search(r"\n- `long`: `--train.seq_len=48`[^\n]*; starts from `attn`'s weights \(same seed\)\n", report)
     # the stage's step 0 is the earlier run's end: one more run of the stage from the same weights, one step
     # at lr 1e-12 (AdamW moves each weight by about the lr), holds the weights of attn-s0's last checkpoint
     from train import latest_checkpoint, load_checkpoint, train
