@@ -357,10 +357,9 @@ def test_sweep_jobs_ctrl_c_is_one_line_and_starts_nothing_new(tmp_path, capsys, 
     raw["train"].update(max_steps=2, batch_size=2, eval_interval=1000, eval_batches=1, warmup_steps=1)
     path = sweep_file(tmp_path, "s.yaml", raw, variants={v: {} for v in "abcdef"})
 
-    def ctrl_c(futures):
+    def ctrl_c(futures, return_when=None):  # Ctrl-C while the parent waits for a run to end
         raise KeyboardInterrupt
-        yield
-    monkeypatch.setattr(concurrent.futures, "as_completed", ctrl_c)
+    monkeypatch.setattr(concurrent.futures, "wait", ctrl_c)
     assert ablate.main([path, "--jobs", "2"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == ("stopped by a signal: runs without result.json resume from their checkpoint; rerun the same "
