@@ -245,7 +245,7 @@ def config_for(sweep, variant, seed, lr=None):
         apply_override(raw, o)
     if lr is not None:
         apply_override(raw, f"--train.lr={lr!r}")
-    if variant in sweep.get("after", {}):  # a curriculum stage starts from its earlier stage's weights
+    if variant in sweep["after"]:  # a curriculum stage starts from its earlier stage's weights
         apply_override(raw, f"--train.init_from={run_dir(sweep, sweep['after'][variant], seed, lr)}")
     apply_override(raw, f"--train.seed={seed}")
     apply_override(raw, f"--train.out_dir={run_dir(sweep, variant, seed, lr)}")
@@ -430,7 +430,7 @@ def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1, seeds=None):
         def submit_ready():  # every pending run whose earlier stage (if any) is neither pending nor running
             for run in list(pending):
                 variant, lr, seed = run
-                if (sweep.get("after", {}).get(variant), lr, seed) in pending + list(futures.values()):
+                if (sweep["after"].get(variant), lr, seed) in pending + list(futures.values()):
                     continue
                 pending.remove(run)
                 why = stage_blocked(sweep, variant, seed, lr)
@@ -457,7 +457,7 @@ def stage_blocked(sweep, variant, seed, lr=None):
     """Why a curriculum stage's run cannot start (its earlier stage's run has no usable result), or None:
     not a stage, a usable earlier run, or a run already started (it resumes from its own checkpoint)."""
     from train import latest_checkpoint
-    after = sweep.get("after", {}).get(variant)
+    after = sweep["after"].get(variant)
     if after is None or latest_checkpoint(run_dir(sweep, variant, seed, lr)):
         return None
     earlier = run_dir(sweep, after, seed, lr)
