@@ -427,8 +427,10 @@ def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1, seeds=None):
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
     pending, futures = list(todo), {}
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        def submit_ready():  # every pending run whose earlier stage (if any) is neither pending nor running
+        def submit_ready():  # up to `jobs` runs at once, in list order, each once its earlier stage ended
             for run in list(pending):
+                if len(futures) >= jobs:  # queue nothing: a stage that becomes ready goes before later runs
+                    return
                 variant, lr, seed = run
                 if (sweep["after"].get(variant), lr, seed) in pending + list(futures.values()):
                     continue

@@ -209,7 +209,8 @@ def test_dry_run_lists_only_the_chosen_seeds(tmp_path, capsys):
 
 CURRICULUM = SWEEP.replace("seeds: [0]", "seeds: [0, 1]").replace(
     "  hybrid: {model.pattern: [kda, attn]}\n",
-    "  long: {after: attn, train.seq_len: 48, data.n_pairs: 6, train.max_steps: 6}\n").split("evals:")[0] + \
+    "  long: {after: attn, train.seq_len: 48, data.n_pairs: 6, train.max_steps: 6}\n"
+    "  other: {train.max_steps: 6}\n").split("evals:")[0] + \
     "evals:\n  mqar: {n_batches: 1, batch_size: 4}\n"
 
 
@@ -237,12 +238,15 @@ def test_curriculum_stage_starts_from_its_earlier_run(tmp_path, capsys):
     assert not (tmp_path / "out" / "long-s0").exists()
     with pytest.raises(ablate.SweepError, match=r"\[long-s0\] not started"):
         ablate.run_one(sweep, "long", 0)
-    # the whole sweep with 2 processes: each stage's run waits for its earlier run, then starts from its weights
+    # the whole sweep with 2 processes: each stage's run waits for its earlier run, then starts from its
+    # weights, ahead of the runs listed after it (nothing is queued beyond the 2 running: `other` starts
+    # only when a slot frees after both `attn` runs, and a ready `long` takes that slot first)
     logs.clear()
     ablate.run_sweep(sweep, log=logs.append, jobs=2)
     order = [m.split("] ")[1].split(":")[0] for m in logs]
-    assert sorted(order) == ["attn-s0", "attn-s1", "long-s0", "long-s1"]
+    assert sorted(order) == ["attn-s0", "attn-s1", "long-s0", "long-s1", "other-s0", "other-s1"]
     assert all(order.index(f"attn-s{s}") < order.index(f"long-s{s}") for s in (0, 1))
+    assert min(order.index("long-s0"), order.index("long-s1")) < min(order.index("other-s0"), order.index("other-s1"))
     for s in (0, 1):
         stage = json.loads((tmp_path / "out" / f"long-s{s}" / "result.json").read_text())
         assert stage["final"]["step"] == 6                                 # a fresh run: its own 6 steps

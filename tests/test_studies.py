@@ -1,5 +1,6 @@
 """studies/: the MQAR accuracy-vs-length and attention-sink scripts on a tiny trained sweep."""
 import os
+import re
 
 import ablate
 from studies import attention_sinks, mqar_length
@@ -22,3 +23,31 @@ def test_studies_on_a_tiny_sweep(tmp_path, capsys):
     assert os.path.getsize(png) > 1000
     assert attention_sinks.main([str(tmp_path)]) == 2              # no checkpoint: one line
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_curriculum_table_follows_each_chain(tmp_path, capsys):
+    import evals
+    from sample import load_model
+    from studies import curriculum
+    from test_ablate import CURRICULUM
+    path = write_sweep(tmp_path, CURRICULUM)            # attn at T=24 / 3 pairs, then `long` at 48 / 6; `other`
+    sweep = ablate.load_sweep(path)
+    ablate.run_sweep(sweep, log=lambda m: None)
+    assert curriculum.chains(sweep) == [["attn", "long"], ["other"]]
+    png = str(tmp_path / "cur.png")
+    assert curriculum.main([path, "--zero_shot", "1", "--out", png]) == 0
+    out = capsys.readouterr().out
+    assert "| chain | T=24 / 3 pairs | T=48 / 6 pairs |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| attn |"))
+    first, second = row.strip(" |").split(" | ")[1:3]
+    assert re.fullmatch(r"\d / 2: \d\.\d{3} \(12\), \d\.\d{3} \(12\)", first)
+    assert re.fullmatch(r"\d / 2: \d\.\d{3} \(6\), \d\.\d{3} \(6\); before: \d\.\d{3}, \d\.\d{3}", second)
+    # "before" is the earlier stage's last checkpoint scored on the stage's own setting
+    model, _ = load_model(ablate.run_dir(sweep, "attn", 1))
+    cfg = ablate.config_for(sweep, "long", 1)
+    acc = evals.run_eval("mqar", model, cfg, {"seq_len": 48, "n_pairs": 6, "n_batches": 1})["acc"]
+    assert second.endswith(f", {acc:.3f}")
+    assert os.path.getsize(png) > 1000
+    assert curriculum.main([path, "--chains", "long"]) == 2          # not a first stage: one line
+    err = capsys.readouterr().err
+    assert err.startswith("error: --chains long: not a first stage") and len(err.strip().splitlines()) == 1
