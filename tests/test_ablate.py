@@ -262,3 +262,16 @@ def test_curriculum_stage_starts_from_its_earlier_run(tmp_path, capsys):
     start = load_checkpoint(latest_checkpoint(str(tmp_path / "check")))["model"]
     end = load_checkpoint(latest_checkpoint(str(tmp_path / "out" / "attn-s0")))["model"]
     assert start.keys() == end.keys() and all(torch.allclose(start[k], end[k], rtol=0, atol=1e-9) for k in start)
+
+
+def test_every_shipped_sweep_file_checks(capsys):
+    """Each sweep in sweeps/ (a file with variants; the others are their base configs) loads, and every
+    run's config builds (--dry_run), so a README command never starts with an error."""
+    import yaml
+    folder = os.path.join(ROOT, "sweeps")
+    sweeps = sorted(f for f in os.listdir(folder) if f.endswith(".yaml")
+                    and "variants" in (yaml.safe_load(open(os.path.join(folder, f))) or {}))
+    assert len(sweeps) >= 10
+    for name in sweeps:
+        assert ablate.main([os.path.join(folder, name), "--dry_run"]) == 0, (name, capsys.readouterr().err)
+        assert capsys.readouterr().out.count(" --") > 0
