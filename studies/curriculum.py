@@ -3,7 +3,8 @@ variant whose `after` names it, and so on; ablate.py's curriculum stages), each 
 accuracy and stop step per seed, how many seeds reached --solved, as a markdown table with one column
 per stage setting (T / pairs); with --zero_shot, also what each stage's starting weights (the stage
 below's last checkpoint) score on the stage's own setting before any training there; and a plot of val
-accuracy against the stage's sequence length per chain (mean thick, each seed thin).
+accuracy against the stage's sequence length per chain (mean thick, each seed thin; with --zero_shot,
+the mean before training dashed).
 
     python studies/curriculum.py sweeps/mqar_curriculum512.yaml sweeps/mqar_curriculum_mixers.yaml \
         --chains f66_t128 kda_t128 gdn_t128 linear_t128 --zero_shot --out docs/mqar_curriculum_mixers.png
@@ -91,13 +92,19 @@ def plot(rows, path):
         stages = [s for s in stages if s["runs"]]
         Ls = [s["setting"][0] for s in stages]
         means = [ablate._mean([r["acc"] for r in s["runs"]]) for s in stages]
-        line, = ax.plot(Ls, means, marker="o", lw=2, label=name)
+        line, = ax.plot(Ls, means, marker="o", lw=2, label=f"{name}: end of stage")
         for seed in sorted({r["seed"] for s in stages for r in s["runs"]}):
             pts = [(s["setting"][0], r["acc"]) for s in stages for r in s["runs"] if r["seed"] == seed and r["acc"] is not None]
             ax.plot(*zip(*pts), color=line.get_color(), lw=0.8, alpha=0.4)
+        before = [(s["setting"][0], ablate._mean([r["before"] for r in s["runs"]])) for s in stages
+                  if any(r["before"] is not None for r in s["runs"])]
+        if before:  # the starting weights on the stage's setting, before training there
+            ax.plot(*zip(*before), color=line.get_color(), ls="--", marker="x", lw=1, label=f"{name}: its start")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length of the stage (pairs = length / 16)")
-    ax.set_ylabel("val accuracy at the end of the stage")
+    lengths = sorted({s["setting"][0] for _, stages in rows for s in stages})
+    ax.set_xticks(lengths, [str(L) for L in lengths])
+    ax.set_xlabel("sequence length of the stage")
+    ax.set_ylabel("val accuracy")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
