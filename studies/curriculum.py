@@ -7,7 +7,8 @@ accuracy against the stage's sequence length per chain (mean thick, each seed th
 the mean before training dashed).
 
     python studies/curriculum.py sweeps/mqar_curriculum512.yaml sweeps/mqar_curriculum_mixers.yaml \
-        --chains f66_t128 kda_t128 gdn_t128 linear_t128 --zero_shot --out docs/mqar_curriculum_mixers.png
+        --chains f66_t128 kda_t128 gdn_t128 linear_t128 --labels attn kda gdn linear --zero_shot 8 \
+        --out docs/mqar_curriculum_mixers.png
 """
 import argparse
 import os
@@ -115,6 +116,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweeps", nargs="+", help="sweep files with curriculum stages (`after:`)")
     p.add_argument("--chains", nargs="+", default=None, help="first stages of the chains to show (default: every chain)")
+    p.add_argument("--labels", nargs="+", default=None, help="a name per chain of --chains (default: the first stage's name without _t<T>)")
     p.add_argument("--solved", type=float, default=0.99, help="val accuracy that counts as solved")
     p.add_argument("--zero_shot", type=int, default=0, metavar="N",
                    help="also score each stage's starting weights on its setting (N batches of 32; 0: off)")
@@ -131,7 +133,11 @@ def main(argv=None):
                 raise ValueError(f"--chains {' '.join(unknown)}: not a first stage in these sweeps "
                                  f"(first stages: {', '.join(c[0] for _, c in found)})")
             found = [(sw, c) for name in args.chains for sw, c in found if c[0] == name]
-        rows = [(chain_name(c), [stage(sw, v, args.zero_shot) for v in c]) for sw, c in found]
+        if args.labels and (not args.chains or len(args.labels) != len(args.chains)):
+            raise ValueError(f"--labels: must name each chain of --chains, one label each ({len(args.chains or [])} chains, "
+                             f"{len(args.labels)} labels)")
+        names = args.labels or [chain_name(c) for _, c in found]
+        rows = [(name, [stage(sw, v, args.zero_shot) for v in c]) for name, (sw, c) in zip(names, found)]
         if not any(s["runs"] for _, stages in rows for s in stages):
             raise DataError("no finished run (result.json) in these chains yet")
     except (ablate.SweepError, DataError, ValueError) as e:

@@ -48,6 +48,10 @@ def test_curriculum_table_follows_each_chain(tmp_path, capsys):
     acc = evals.run_eval("mqar", model, cfg, {"seq_len": 48, "n_pairs": 6, "n_batches": 1})["acc"]
     assert second.endswith(f", {acc:.3f}")
     assert os.path.getsize(png) > 1000
+    assert curriculum.main([path, "--chains", "attn", "--labels", "a"]) == 0
+    assert "| a | " in capsys.readouterr().out
+    assert curriculum.main([path, "--chains", "attn", "--labels", "a", "b"]) == 2
+    assert capsys.readouterr().err.startswith("error: --labels: must name each chain of --chains")
     assert curriculum.main([path, "--chains", "long"]) == 2          # not a first stage: one line
     err = capsys.readouterr().err
     assert err.startswith("error: --chains long: not a first stage") and len(err.strip().splitlines()) == 1
