@@ -44,6 +44,8 @@ def stage(sweep, variant, zero_shot=0, log=print):
     """{setting: (T, pairs), runs: [{seed, acc, step, before}]} of one stage's finished runs."""
     cfg = ablate.config_for(sweep, variant, sweep["seeds"][0], sweep["lrs"][0])
     setting = (cfg.train.seq_len, cfg.data.n_pairs)
+    if zero_shot and cfg.data.kind != "mqar":
+        raise ValueError(f"--zero_shot: scores MQAR, and {variant} trains on data.kind {cfg.data.kind!r}")
     runs = []
     for r in sorted(ablate.collect(sweep).get(variant, []), key=lambda r: r["seed"]):
         run = {"seed": r["seed"], "acc": r["final"].get("val_acc"), "step": r["final"].get("step"), "before": None}
