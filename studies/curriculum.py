@@ -40,14 +40,15 @@ def chain_name(chain):
     return re.sub(r"_t\d+$", "", chain[0])
 
 
-def stage(sweep, variant, zero_shot=0, log=print):
-    """{setting: (T, pairs), runs: [{seed, acc, step, before}]} of one stage's finished runs."""
+def stage(sweep, variant, results, zero_shot=0, log=print):
+    """{setting: (T, pairs), runs: [{seed, acc, step, before}]} of one stage's finished runs
+    (results: ablate.collect(sweep))."""
     cfg = ablate.config_for(sweep, variant, sweep["seeds"][0], sweep["lrs"][0])
     setting = (cfg.train.seq_len, cfg.data.n_pairs)
     if zero_shot and cfg.data.kind != "mqar":
         raise ValueError(f"--zero_shot: scores MQAR, and {variant} trains on data.kind {cfg.data.kind!r}")
     runs = []
-    for r in sorted(ablate.collect(sweep).get(variant, []), key=lambda r: r["seed"]):
+    for r in sorted(results.get(variant, []), key=lambda r: r["seed"]):
         run = {"seed": r["seed"], "acc": r["final"].get("val_acc"), "step": r["final"].get("step"), "before": None}
         start = ablate.config_for(sweep, variant, r["seed"], r["lr"] if sweep["lrs"] != [None] else None).train.init_from
         if zero_shot and start:
@@ -139,7 +140,8 @@ def main(argv=None):
             raise ValueError(f"--labels: must name each chain of --chains, one label each ({len(args.chains or [])} chains, "
                              f"{len(args.labels)} labels)")
         names = args.labels or [chain_name(c) for _, c in found]
-        rows = [(name, [stage(sw, v, args.zero_shot) for v in c]) for name, (sw, c) in zip(names, found)]
+        results = {sw["path"]: ablate.collect(sw) for sw in sweeps}  # every result.json read once
+        rows = [(name, [stage(sw, v, results[sw["path"]], args.zero_shot) for v in c]) for name, (sw, c) in zip(names, found)]
         if not any(s["runs"] for _, stages in rows for s in stages):
             raise DataError("no finished run (result.json) in these chains yet")
     except (ablate.SweepError, DataError, ValueError) as e:
