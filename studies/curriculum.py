@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ablate  # noqa: E402
 import evals  # noqa: E402
 from data.tokens import DataError  # noqa: E402
-from plot import save_png  # noqa: E402
 from sample import load_model  # noqa: E402
+from studies import accuracy_axes, save_accuracy_plot  # noqa: E402
 
 
 def chains(sweep):
@@ -88,10 +88,7 @@ def table(rows, solved):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = accuracy_axes()
     for name, stages in rows:
         stages = [s for s in stages if s["runs"]]
         Ls = [s["setting"][0] for s in stages]
@@ -104,15 +101,8 @@ def plot(rows, path):
                   if any(r["before"] is not None for r in s["runs"])]
         if before:  # the starting weights on the stage's setting, before training there
             ax.plot(*zip(*before), color=line.get_color(), ls="--", marker="x", lw=1, label=f"{name}: its start")
-    ax.set_xscale("log", base=2)
     lengths = sorted({s["setting"][0] for _, stages in rows for s in stages})
-    ax.set_xticks(lengths, [str(L) for L in lengths])
-    ax.set_xlabel("sequence length of the stage")
-    ax.set_ylabel("val accuracy")
-    ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    save_png(fig, path)
+    save_accuracy_plot(fig, ax, path, "sequence length of the stage", "val accuracy", lengths)
 
 
 def main(argv=None):

@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ablate  # noqa: E402
 import evals  # noqa: E402
 from data.tokens import DataError  # noqa: E402
-from plot import save_png  # noqa: E402
 from sample import load_model  # noqa: E402
+from studies import accuracy_axes, save_accuracy_plot  # noqa: E402
 
 
 def accuracy_by_length(sweep, lengths, n_batches, log=print):
@@ -50,23 +50,14 @@ def table(out, train_len):
 
 
 def plot(out, train_len, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = accuracy_axes()
     for variant, (lr, accs) in out.items():                       # the mean, and each seed thin
         Ls = list(accs)
         line, = ax.plot(Ls, [ablate._mean(accs[L]) for L in Ls], marker="o", lw=2, label=f"{variant} (lr {lr:g})")
         for seed_accs in zip(*(accs[L] for L in Ls)):
             ax.plot(Ls, seed_accs, color=line.get_color(), lw=0.8, alpha=0.4)
     ax.axvline(train_len, color="gray", ls=":", label="training length")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length")
-    ax.set_ylabel("MQAR accuracy")
-    ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    save_png(fig, path)
+    save_accuracy_plot(fig, ax, path, "sequence length", "MQAR accuracy")
 
 
 def main(argv=None):
