@@ -2,6 +2,8 @@
 import os
 import re
 
+import torch
+
 import ablate
 from studies import attention_sinks, mqar_length
 from test_ablate import GRID, write_sweep
@@ -55,3 +57,68 @@ def test_curriculum_table_follows_each_chain(tmp_path, capsys):
     assert curriculum.main([path, "--chains", "long"]) == 2          # not a first stage: one line
     err = capsys.readouterr().err
     assert err.startswith("error: --chains long: not a first stage") and len(err.strip().splitlines()) == 1
+
+
+def _tiny(pattern, layers):
+    from config import from_raw
+    from model import GPT
+    cfg = from_raw({"model": {"vocab_size": 40, "d_model": 32, "n_layer": len(pattern), "pattern": pattern,
+                              "layers": layers, "mlp": {"hidden": 64}},
+                    "data": {"kind": "mqar", "n_pairs": 4}, "train": {"seq_len": 32, "batch_size": 4}})
+    torch.manual_seed(0)
+    return GPT(cfg.model).eval(), cfg
+
+
+RECALL_LAYERS = {"a": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "sinks": True},
+                 "w": {"kind": "attn", "n_heads": 2, "window": 5}, "l": {"kind": "linear", "n_heads": 2},
+                 "g": {"kind": "gdn", "n_heads": 2}, "k": {"kind": "kda", "n_heads": 2}}
+
+
+def test_effective_attention_reproduces_every_op():
+    """M from the op rerun on v = identity gives the op's output as M v (softmax with GQA, sinks and a
+    window; linear attention; the gated delta rule with a per-head and a per-channel gate)."""
+    import kernels
+    from studies import recall_heads
+    model, _ = _tiny(["a", "w", "l", "g", "k"], RECALL_LAYERS)
+    x = torch.randint(1, 40, (2, 24))
+    calls = recall_heads.capture_ops(model, x)
+    assert [(layer, name) for layer, name, _, _ in calls] == [
+        (0, "attention"), (1, "attention"), (2, "linear_attention"), (3, "delta_rule"), (4, "delta_rule")]
+    for layer, name, args, kwargs in calls:
+        o = getattr(kernels, name)(*args, **kwargs)
+        o = o[0] if isinstance(o, tuple) else o                               # [B, T, Hq, V]
+        M = recall_heads.effective_attention(name, args, kwargs)              # [B, Hq, T, T]
+        v = args[2].repeat_interleave(o.shape[2] // args[2].shape[2], dim=2)  # grouped v heads
+        assert M.shape == (2, o.shape[2], 24, 24)
+        torch.testing.assert_close(torch.einsum("bhts,bshv->bthv", M, v), o, rtol=1e-5, atol=1e-5)
+        assert M.triu(1).abs().max() == 0                                     # causal
+    assert kernels.attention.__name__ == "attention"                          # the ops are restored
+
+
+def test_head_stats_find_a_planted_recall():
+    from data.mqar import mqar_batch
+    from studies.recall_heads import head_stats
+    P, T, K = 8, 40, 8
+    x, y, _ = mqar_batch(4, T, P, 40, seed=0)
+    M = torch.rand(4, 2, T, T) * 0.1
+    keys = torch.randn(4, T, 2, K)
+    keys[:, 3:2 * P + 3:2, 0] = torch.eye(P)                 # head 0: orthogonal keys where pair i lives
+    for b, t in zip(*(y >= 0).nonzero(as_tuple=True)):
+        i = (x[b, :2 * P:2] == x[b, t]).nonzero()[0, 0]
+        M[b, 0, t, 2 * i + 3] = 1.0                          # head 0 reads pair i at 2i + 3
+    s = head_stats(M, keys, x, y, P, reach=4)
+    assert s[0]["at"] == 3 and s[0]["hit"] == 1.0 and s[0]["overlap"] == 0.0 and s[0]["contrast"] > 10
+    assert s[1]["hit"] < 0.5 and 0.5 < s[1]["contrast"] < 2 and 0.05 < s[1]["overlap"] < 0.3   # noise; random keys ~1/K
+
+
+def test_recall_heads_cli(tmp_path, capsys):
+    from studies import recall_heads
+    from train import save_checkpoint
+    model, cfg = _tiny(["k", "a"], RECALL_LAYERS)
+    save_checkpoint(str(tmp_path / "ckpt_1.pt"), {"model": model.state_dict(), "config": cfg.raw, "step": 1})
+    assert recall_heads.main([str(tmp_path), "--n_seqs", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tmp_path} |")]
+    assert [r.split(" | ")[2] for r in rows] == ["0.0 (kda)", "0.1 (kda)", "1.0 (attn)", "1.1 (attn)", "1.2 (attn)", "1.3 (attn)"]
+    assert all(r.split(" | ")[1] == "T=32 / 4 pairs" for r in rows)
+    assert recall_heads.main([str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
