@@ -4,10 +4,12 @@ layers, and how much the keys it stores overlap.
 Each of these layers is linear in its values: o_t = sum_j M[t, j] v_j per head, where M is the softmax
 of q k^T for attention, causal(q k^T) for linear attention, and for the gated delta rule M also carries
 the decays and the delta rule's corrections. Running the layer's op once more with v = the identity
-gives M exactly. For every
-head this prints, over the queries of fresh sequences of each run's own MQAR setting:
+gives M exactly. For every head this prints, over the queries of fresh sequences of each run's own
+MQAR setting:
 - where it recalls: the share of queries whose largest |M[t, j]| over the key-value block lies on their
-  own pair, at the key's position or at the value's (whichever is higher; 1 / (2 pairs) by chance);
+  own pair i, at position 2i + o: the key's (o = 0), the value's (o = 1), or a later one whose short
+  convolution still sees the key (o < its width); the offset o that holds it most often is reported
+  (by chance about 1 / (2 pairs));
 - contrast: the mean |M| at the query's own pair over the mean |M| at the other pairs' same positions;
 - key overlap: the mean cos^2 between the k of distinct pairs at that position (0 for orthogonal keys,
   1/K for random directions in K channels).
