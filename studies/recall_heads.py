@@ -79,21 +79,18 @@ def head_stats(M, k, x, y, n_pairs, reach):
     others = torch.ones(len(bs), n_pairs, dtype=torch.bool)
     others[torch.arange(len(bs)), pair] = False
     off_diag = ~torch.eye(n_pairs, dtype=torch.bool)
+    offsets = [o for o in range(reach) if 2 * (n_pairs - 1) + o < span]
     out = []
     for h in range(H):
-        best = None
-        for offset in range(reach):
-            if 2 * (n_pairs - 1) + offset >= span:
-                break
-            slots = torch.arange(n_pairs) * 2 + offset                       # pair j stored at 2j + offset
-            hit = (scores[:, h].argmax(-1) == slots[pair]).float().mean().item()
-            stored = scores[:, h, slots]                                     # [N, pairs]
-            contrast = (stored.gather(1, pair[:, None]).mean() / stored[others].mean()).item()
-            keys = torch.nn.functional.normalize(k[:, slots, h].float(), dim=-1)  # [B, pairs, K]
-            overlap = (keys @ keys.transpose(1, 2))[:, off_diag].pow(2).mean().item()
-            if best is None or hit > best["hit"]:
-                best = {"at": offset, "hit": hit, "contrast": contrast, "overlap": overlap, "K": k.shape[-1]}
-        out.append(best)
+        top = scores[:, h].argmax(-1)
+        hits = [(top == 2 * pair + o).float().mean().item() for o in offsets]
+        at = offsets[hits.index(max(hits))]                                 # the first offset of the most hits
+        slots = torch.arange(n_pairs) * 2 + at                               # pair j stored at 2j + at
+        stored = scores[:, h, slots]                                         # [N, pairs]
+        contrast = (stored.gather(1, pair[:, None]).mean() / stored[others].mean()).item()
+        keys = torch.nn.functional.normalize(k[:, slots, h].float(), dim=-1)  # [B, pairs, K]
+        overlap = (keys @ keys.transpose(1, 2))[:, off_diag].pow(2).mean().item()
+        out.append({"at": at, "hit": max(hits), "contrast": contrast, "overlap": overlap, "K": k.shape[-1]})
     return out
 
 
