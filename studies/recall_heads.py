@@ -10,6 +10,9 @@ MQAR setting:
   own pair i, at position 2i + o: the key's (o = 0), the value's (o = 1), or a later one whose short
   convolution still sees the key (o < its width); the offset o that holds it most often is reported
   (by chance about 1 / (2 pairs));
+- rank: the mean rank of the query's own pair among all pairs by |M| at their positions 2j + o (0: its
+  top score; by chance (pairs - 1) / 2). A head that narrows a query down to a few candidates without
+  finding its pair first shows here and not in the share above;
 - contrast: the mean |M| at the query's own pair over the mean |M| at the other pairs' same positions;
 - key overlap: the mean cos^2 between the k of distinct pairs at that position (0 for orthogonal keys,
   1/K for random directions in K channels).
@@ -68,9 +71,10 @@ def effective_attention(name, args, kwargs):
 
 
 def head_stats(M, k, x, y, n_pairs, reach):
-    """Per head: {at, hit, contrast, overlap} over the queries (y >= 0). A pair i (key at 2i, value at
+    """Per head: {at, hit, rank, contrast, overlap} over the queries (y >= 0). A pair i (key at 2i, value at
     2i + 1) can be stored at any position 2i + o the short convolution lets see its key, o < reach;
-    `at` is the offset o whose position most often holds the query's top score."""
+    `at` is the offset o whose position most often holds the query's top score (on a tie, the one where
+    the pair ranks highest)."""
     B, H, T, _ = M.shape
     bs, ts = (y >= 0).nonzero(as_tuple=True)
     pair = (x[bs, :2 * n_pairs:2] == x[bs, ts][:, None]).float().argmax(-1)   # query's pair index i
@@ -82,15 +86,19 @@ def head_stats(M, k, x, y, n_pairs, reach):
     offsets = [o for o in range(reach) if 2 * (n_pairs - 1) + o < span]
     out = []
     for h in range(H):
+        stored = {o: scores[:, h, torch.arange(n_pairs) * 2 + o] for o in offsets}   # [N, pairs]: pair j at 2j + o
+        own = {o: st.gather(1, pair[:, None]) for o, st in stored.items()}            # [N, 1]
+        ranks = {o: ((st > own[o]).sum(1) + 0.5 * ((st == own[o]).sum(1) - 1)).float().mean().item()
+                 for o, st in stored.items()}                                         # 0: the pair is top
         top = scores[:, h].argmax(-1)
-        hits = [(top == 2 * pair + o).float().mean().item() for o in offsets]
-        at = offsets[hits.index(max(hits))]                                 # the first offset of the most hits
-        slots = torch.arange(n_pairs) * 2 + at                               # pair j stored at 2j + at
-        stored = scores[:, h, slots]                                         # [N, pairs]
-        contrast = (stored.gather(1, pair[:, None]).mean() / stored[others].mean()).item()
-        keys = torch.nn.functional.normalize(k[:, slots, h].float(), dim=-1)  # [B, pairs, K]
+        hits = {o: (top == 2 * pair + o).float().mean().item() for o in offsets}
+        at = max(offsets, key=lambda o: (hits[o], -ranks[o]))                # most top scores, then best rank
+        hit = hits[at]
+        contrast = (own[at].mean() / stored[at][others].mean()).item()
+        keys = torch.nn.functional.normalize(k[:, 2 * torch.arange(n_pairs) + at, h].float(), dim=-1)  # [B, pairs, K]
         overlap = (keys @ keys.transpose(1, 2))[:, off_diag].pow(2).mean().item()
-        out.append({"at": at, "hit": max(hits), "contrast": contrast, "overlap": overlap, "K": k.shape[-1]})
+        out.append({"at": at, "hit": hit, "rank": ranks[at], "contrast": contrast, "overlap": overlap,
+                    "K": k.shape[-1]})
     return out
 
 
@@ -119,18 +127,18 @@ def main(argv=None):
     p.add_argument("--n_seqs", type=int, default=16, help="fresh MQAR sequences per run")
     p.add_argument("--seed", type=int, default=123)
     p.add_argument("--min_hit", type=float, default=0.0,
-                   help="list only heads whose queries find their pair at least this often (a run with none: its best head)")
+                   help="list only heads whose queries find their pair at least this often (a run with none: the head where the pairs rank highest)")
     args = p.parse_args(argv)
-    lines = ["| run | setting | layer.head (kind) | pair i stored at | queries whose top score is their pair | contrast | key overlap cos^2 (random: 1/K) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | setting | layer.head (kind) | pair i stored at | queries whose top score is their pair "
+             "| their pair's mean rank (0: top) | contrast | key overlap cos^2 (random: 1/K) |", "|" + "---|" * 8]
     try:
         for run in args.runs:
             rows, (T, P) = study(run, args.n_seqs, args.seed)
             heads = [(layer, kind, h, s) for layer, kind, stats in rows for h, s in enumerate(stats)]
-            shown = [r for r in heads if r[3]["hit"] >= args.min_hit] or [max(heads, key=lambda r: r[3]["hit"])]
+            shown = [r for r in heads if r[3]["hit"] >= args.min_hit] or [min(heads, key=lambda r: r[3]["rank"])]
             for layer, kind, h, s in shown:
                 lines.append(f"| {run} | T={T} / {P} pairs | {layer}.{h} ({kind}) | 2i + {s['at']} | {s['hit']:.3f} "
-                             f"| {s['contrast']:.1f} | {s['overlap']:.3f} ({1 / s['K']:.3f}) |")
+                             f"| {s['rank']:.1f} of {P} | {s['contrast']:.1f} | {s['overlap']:.3f} ({1 / s['K']:.3f}) |")
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

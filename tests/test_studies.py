@@ -107,8 +107,13 @@ def test_head_stats_find_a_planted_recall():
         i = (x[b, :2 * P:2] == x[b, t]).nonzero()[0, 0]
         M[b, 0, t, 2 * i + 3] = 1.0                          # head 0 reads pair i at 2i + 3
     s = head_stats(M, keys, x, y, P, reach=4)
-    assert s[0]["at"] == 3 and s[0]["hit"] == 1.0 and s[0]["overlap"] == 0.0 and s[0]["contrast"] > 10
-    assert s[1]["hit"] < 0.5 and 0.5 < s[1]["contrast"] < 2 and 0.05 < s[1]["overlap"] < 0.3   # noise; random keys ~1/K
+    assert s[0]["at"] == 3 and s[0]["hit"] == 1.0 and s[0]["rank"] == 0 and s[0]["overlap"] == 0.0 and s[0]["contrast"] > 10
+    assert s[1]["hit"] < 0.5 and 2 < s[1]["rank"] < 5 and 0.5 < s[1]["contrast"] < 2 and 0.05 < s[1]["overlap"] < 0.3   # noise; random keys ~1/K
+    for b, t in zip(*(y >= 0).nonzero(as_tuple=True)):      # head 0 now puts one other pair first
+        i = (x[b, :2 * P:2] == x[b, t]).nonzero()[0, 0]
+        M[b, 0, t, 2 * ((i + 1) % P) + 3] = 2.0
+    s = head_stats(M, keys, x, y, P, reach=4)
+    assert s[0]["hit"] == 0.0 and s[0]["rank"] == 1.0
 
 
 def test_recall_heads_cli(tmp_path, capsys):
@@ -122,3 +127,30 @@ def test_recall_heads_cli(tmp_path, capsys):
     assert all(r.split(" | ")[1] == "T=32 / 4 pairs" for r in rows)
     assert recall_heads.main([str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_dsa_stages_resumes_dense_and_tabulates(tmp_path, capsys):
+    """Each sparse run starts from the dense run's checkpoint at the switch (its rows up to there are
+    dense's), runs to the end in the sparse stage, and the table compares it with dense per seed."""
+    from plot import read_metrics
+    from studies import dsa_stages
+    tiny = ["--model.d_model=32", "--model.n_layer=2", "--model.layers.mla.n_heads=2", "--train.seq_len=32",
+            "--train.batch_size=2", "--train.eval_interval=2", "--train.eval_batches=1", "--train.log_interval=1"]
+    args = ["--root", str(tmp_path), "--seeds", "1", "2", "--steps", "4", "--switch", "2", "--top_ks", "8",
+            "--out", str(tmp_path / "dsa.png")] + [f"--set={o}" for o in tiny]
+    assert dsa_stages.main(args) == 0
+    out = capsys.readouterr().out
+    for seed in (1, 2):
+        dense, sparse = (read_metrics(str(tmp_path / f"s{seed}" / n)) for n in ("dense", "k8"))
+        assert [r for r in sparse if r["step"] <= 2] == [r for r in dense if r["step"] <= 2]
+        assert [r["step"] for r in sparse if "val_loss" in r] == [2, 4]
+        late = [r for r in sparse if r["step"] > 2 and "indexer_kl" in r]
+        assert late and all(r["indexer_kl"] > 0 for r in late)
+        d4, s4 = ({r["step"]: r["val_loss"] for r in rows if "val_loss" in r}[4] for rows in (dense, sparse))
+        assert f"{s4 - d4:+.4f}" in out                            # its difference to dense at the end
+    rows = [line for line in out.splitlines() if line.startswith("| DSA top_k 8 |")]
+    assert len(rows) == 1 and os.path.getsize(tmp_path / "dsa.png") > 0
+    # finished runs are read, not retrained; unfinished ones are named in one line
+    assert dsa_stages.main(args[:-len(tiny)] + ["--report_only"]) == 0
+    assert dsa_stages.main(["--root", str(tmp_path / "none"), "--report_only"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: ")
