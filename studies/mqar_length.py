@@ -1,4 +1,4 @@
-"""MQAR accuracy against sequence length (issue 16) for the runs of a sweep: every variant at its
+"""MQAR accuracy against sequence length (issue 16) for the runs of sweeps: every variant at its
 best lr (ablate.py's selection; without an lrs grid, its one lr), each seed's last checkpoint
 evaluated on fresh MQAR sequences of each length with the training number of pairs
 (evals.eval_mqar, seq_len); mean ± std over seeds as a markdown table, and a plot of the mean
@@ -6,6 +6,8 @@ evaluated on fresh MQAR sequences of each length with the training number of pai
 
     python studies/mqar_length.py sweeps/mqar_seeds.yaml --lengths 64 128 256 512 \
         --out docs/mqar_acc_vs_length.png
+    python studies/mqar_length.py sweeps/mqar_curriculum512.yaml sweeps/mqar_curriculum_mixers.yaml \
+        --only f66_t512,kda_t512 --lengths 512 1024 2048    # variants of several sweeps in one table
 """
 import argparse
 import os
@@ -20,9 +22,10 @@ from sample import load_model  # noqa: E402
 from studies import accuracy_axes, save_accuracy_plot  # noqa: E402
 
 
-def accuracy_by_length(sweep, lengths, n_batches, log=print):
-    """{variant: (best lr, {length: [accuracy of each seed]})} over the finished runs."""
-    results = ablate.collect(sweep)
+def accuracy_by_length(sweep, lengths, n_batches, only=None, log=print):
+    """{variant: (best lr, {length: [accuracy of each seed]})} over the finished runs (of the variants
+    in `only`, if given)."""
+    results = {v: rs for v, rs in ablate.collect(sweep).items() if not only or v in only}
     if not results:
         raise DataError(f"{sweep['out_dir']}: no finished run (result.json) yet")
     metric = ablate.select_metric(sweep, results)
@@ -62,20 +65,36 @@ def plot(out, train_len, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sweep", help="sweep file (its out_dir holds the runs)")
+    p.add_argument("sweeps", nargs="+", help="sweep files (their out_dirs hold the runs)")
     p.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
     p.add_argument("--n_batches", type=int, default=8, help="batches of 32 sequences per length")
+    p.add_argument("--only", default=None, help="comma-separated variants of the sweeps (default: all)")
     p.add_argument("--out", default=None, help="PNG of accuracy against length")
     args = p.parse_args(argv)
     try:
-        sweep = ablate.load_sweep(args.sweep)
+        sweeps = [ablate.load_sweep(path) for path in args.sweeps]
         if any(L < 1 for L in args.lengths) or args.n_batches < 1:
             raise ValueError("--lengths and --n_batches: must be integers >= 1")
-        out = accuracy_by_length(sweep, args.lengths, args.n_batches)
+        only = args.only and args.only.split(",")
+        unknown = [v for v in only or () if not any(v in sw["variants"] for sw in sweeps)]
+        if unknown:
+            raise ValueError(f"--only {','.join(unknown)}: not a variant of "
+                             f"{'this sweep' if len(sweeps) == 1 else 'these sweeps'} "
+                             f"({', '.join(v for sw in sweeps for v in sw['variants'])})")
+        out = {}
+        for sweep in sweeps:
+            if only and not set(only) & set(sweep["variants"]):
+                continue
+            found = accuracy_by_length(sweep, args.lengths, args.n_batches, only)
+            twice = sorted(set(found) & set(out))
+            if twice:
+                raise ValueError(f"variant {twice[0]} is in more than one sweep; pick one with --only")
+            out.update(found)
     except (ablate.SweepError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    train_len = ablate.config_for(sweep, next(iter(out)), sweep["seeds"][0], sweep["lrs"][0]).train.seq_len
+    first = next(sw for sw in sweeps if next(iter(out)) in sw["variants"])
+    train_len = ablate.config_for(first, next(iter(out)), first["seeds"][0], first["lrs"][0]).train.seq_len
     print(table(out, train_len))
     if args.out:
         plot(out, train_len, args.out)

@@ -17,6 +17,12 @@ def test_studies_on_a_tiny_sweep(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| variant | best lr | seeds | T = 12 | T = 24 (train) | T = 48 |" in out and "| attn | 0.00" in out
     assert os.path.getsize(png) > 1000
+    assert mqar_length.main([sweep["path"], "--lengths", "24", "--n_batches", "1", "--only", "attn"]) == 0
+    assert "| attn | 0.00" in capsys.readouterr().out
+    assert mqar_length.main([sweep["path"], "--only", "attn,nope"]) == 2      # a name not in the sweep
+    assert capsys.readouterr().err.startswith("error: --only nope: not a variant of this sweep (")
+    assert mqar_length.main([sweep["path"], sweep["path"], "--lengths", "24", "--n_batches", "1"]) == 2
+    assert capsys.readouterr().err.startswith("error: variant attn is in more than one sweep")
     run = ablate.run_dir(sweep, "attn", 0, 1e-3)
     png = str(tmp_path / "sinks.png")
     assert attention_sinks.main([run, "--budgets", "6", "8", "--factor", "1", "--n_seqs", "2", "--skip", "4", "--out", png]) == 0
