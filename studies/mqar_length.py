@@ -1,6 +1,6 @@
 """MQAR accuracy against sequence length (issue 16) for the runs of sweeps: every variant at its
 best lr (ablate.py's selection; without an lrs grid, its one lr), each seed's last checkpoint
-evaluated on fresh MQAR sequences of each length with the training number of pairs
+evaluated on fresh MQAR sequences of each length with the training number of pairs (or --n_pairs)
 (evals.eval_mqar, seq_len); mean ± std over seeds as a markdown table, and a plot of the mean
 (thick) and every seed (thin). Lengths above the training length test extrapolation.
 
@@ -22,9 +22,9 @@ from sample import load_model  # noqa: E402
 from studies import accuracy_axes, save_accuracy_plot  # noqa: E402
 
 
-def accuracy_by_length(sweep, lengths, n_batches, only=None, log=print):
+def accuracy_by_length(sweep, lengths, n_batches, only=None, n_pairs=0, log=print):
     """{variant: (best lr, {length: [accuracy of each seed]})} over the finished runs (of the variants
-    in `only`, if given)."""
+    in `only`, if given), with n_pairs pairs per sequence (0: each run's training number)."""
     results = {v: rs for v, rs in ablate.collect(sweep).items() if not only or v in only}
     if not results:
         raise DataError(f"{sweep['out_dir']}: no finished run (result.json) yet")
@@ -36,7 +36,8 @@ def accuracy_by_length(sweep, lengths, n_batches, only=None, log=print):
         for r in runs:
             model, cfg = load_model(ablate.result_dir(sweep, r))
             for L in lengths:
-                accs[L].append(evals.run_eval("mqar", model, cfg, {"seq_len": L, "n_batches": n_batches})["acc"])
+                accs[L].append(evals.run_eval("mqar", model, cfg, {"seq_len": L, "n_pairs": n_pairs,
+                                                                   "n_batches": n_batches})["acc"])
         log(f"{variant} (lr {lr}, {len(runs)} seeds): " + ", ".join(f"T={L} {ablate.mean_pm(a)}" for L, a in accs.items()))
         out[variant] = (lr, accs)
     return out
@@ -69,12 +70,13 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
     p.add_argument("--n_batches", type=int, default=8, help="batches of 32 sequences per length")
     p.add_argument("--only", default=None, help="comma-separated variants of the sweeps (default: all)")
+    p.add_argument("--n_pairs", type=int, default=0, help="pairs per sequence (default: each run's training number)")
     p.add_argument("--out", default=None, help="PNG of accuracy against length")
     args = p.parse_args(argv)
     try:
         sweeps = [ablate.load_sweep(path) for path in args.sweeps]
-        if any(L < 1 for L in args.lengths) or args.n_batches < 1:
-            raise ValueError("--lengths and --n_batches: must be integers >= 1")
+        if any(L < 1 for L in args.lengths) or args.n_batches < 1 or args.n_pairs < 0:
+            raise ValueError("--lengths and --n_batches: must be integers >= 1; --n_pairs >= 1 (or 0: the training number)")
         only = args.only and args.only.split(",")
         unknown = [v for v in only or () if not any(v in sw["variants"] for sw in sweeps)]
         if unknown:
@@ -85,7 +87,7 @@ def main(argv=None):
         for sweep in sweeps:
             if only and not set(only) & set(sweep["variants"]):
                 continue
-            found = accuracy_by_length(sweep, args.lengths, args.n_batches, only)
+            found = accuracy_by_length(sweep, args.lengths, args.n_batches, only, args.n_pairs)
             twice = sorted(set(found) & set(out))
             if twice:
                 raise ValueError(f"variant {twice[0]} is in more than one sweep; pick one with --only")

@@ -19,6 +19,10 @@ def test_studies_on_a_tiny_sweep(tmp_path, capsys):
     assert os.path.getsize(png) > 1000
     assert mqar_length.main([sweep["path"], "--lengths", "24", "--n_batches", "1", "--only", "attn"]) == 0
     assert "| attn | 0.00" in capsys.readouterr().out
+    assert mqar_length.main([sweep["path"], "--lengths", "24", "--n_batches", "1", "--n_pairs", "2"]) == 0
+    assert "| attn | " in capsys.readouterr().out
+    assert mqar_length.main([sweep["path"], "--lengths", "24", "--n_pairs", "500"]) == 2   # more than the vocab holds
+    assert capsys.readouterr().err.startswith("error: mqar: n_pairs=500 needs a vocab of at least")
     assert mqar_length.main([sweep["path"], "--only", "attn,nope"]) == 2      # a name not in the sweep
     assert capsys.readouterr().err.startswith("error: --only nope: not a variant of this sweep (")
     assert mqar_length.main([sweep["path"], sweep["path"], "--lengths", "24", "--n_batches", "1"]) == 2
