@@ -8,8 +8,8 @@ gives M exactly. For every head this prints, over the queries of fresh sequences
 MQAR setting:
 - where it recalls: the share of queries whose largest |M[t, j]| over the key-value block lies on their
   own pair i, at position 2i + o: the key's (o = 0), the value's (o = 1), or a later one whose short
-  convolution still sees the key (o < its width); the offset o that holds it most often is reported
-  (by chance about 1 / (2 pairs));
+  convolution still sees the key (o < its width), at the offset o where the pair ranks highest (below;
+  on a tie, the one that holds the top score most often); by chance about 1 / (2 pairs);
 - rank: the mean rank of the query's own pair among all pairs by |M| at their positions 2j + o (0: its
   top score; by chance (pairs - 1) / 2). A head that narrows a query down to a few candidates without
   finding its pair first shows here and not in the share above;
@@ -73,8 +73,8 @@ def effective_attention(name, args, kwargs):
 def head_stats(M, k, x, y, n_pairs, reach):
     """Per head: {at, hit, rank, contrast, overlap} over the queries (y >= 0). A pair i (key at 2i, value at
     2i + 1) can be stored at any position 2i + o the short convolution lets see its key, o < reach;
-    `at` is the offset o whose position most often holds the query's top score (on a tie, the one where
-    the pair ranks highest)."""
+    `at` is the offset o where the query's pair ranks highest among the pairs (mean rank to 0.1; on a
+    tie, the offset that most often holds the query's top score)."""
     B, H, T, _ = M.shape
     bs, ts = (y >= 0).nonzero(as_tuple=True)
     pair = (x[bs, :2 * n_pairs:2] == x[bs, ts][:, None]).float().argmax(-1)   # query's pair index i
@@ -92,7 +92,7 @@ def head_stats(M, k, x, y, n_pairs, reach):
                  for o, st in stored.items()}                                         # 0: the pair is top
         top = scores[:, h].argmax(-1)
         hits = {o: (top == 2 * pair + o).float().mean().item() for o in offsets}
-        at = max(offsets, key=lambda o: (hits[o], -ranks[o]))                # most top scores, then best rank
+        at = min(offsets, key=lambda o: (round(ranks[o], 1), -hits[o]))      # best rank (to 0.1), then most top scores
         hit = hits[at]
         contrast = (own[at].mean() / stored[at][others].mean()).item()
         keys = torch.nn.functional.normalize(k[:, 2 * torch.arange(n_pairs) + at, h].float(), dim=-1)  # [B, pairs, K]
