@@ -23,6 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import ablate  # noqa: E402
 from config import load_config  # noqa: E402
 from data.tokens import DataError  # noqa: E402
 from model import ConfigError  # noqa: E402
@@ -40,23 +41,21 @@ def overrides(seed, steps, switch, top_k, stage, threads, out_dir, extra=()):
                     f"--train.out_dir={out_dir}", *extra]
 
 
-def finished(out_dir, steps):
-    return os.path.exists(os.path.join(out_dir, f"ckpt_{steps}.pt"))
-
-
 def train_seed(root, seed, steps, switch, top_ks, threads, extra=(), log=print):
     """Train the dense run and one sparse run per top_k of one seed (skipping finished runs); resumes an
     interrupted run from its latest checkpoint."""
     import train
+    from train import checkpoint_step, latest_checkpoint
     base = os.path.join(ROOT, "configs", "mla.yaml")
     dense = os.path.join(root, f"s{seed}", "dense")
     runs = [("dense", dense, max(top_ks), "dense_warmup")] + [
         (f"k{k}", os.path.join(root, f"s{seed}", f"k{k}"), k, "sparse") for k in top_ks]
     for name, out_dir, top_k, stage in runs:
-        if finished(out_dir, steps):
+        latest = latest_checkpoint(out_dir)
+        if latest and checkpoint_step(latest) >= steps:
             log(f"seed {seed} {name}: finished ({out_dir})")
             continue
-        resume = bool(os.path.isdir(out_dir) and any(f.startswith("ckpt_") for f in os.listdir(out_dir)))
+        resume = latest is not None
         if stage == "sparse" and not resume:  # start from dense's checkpoint at the switch
             start = os.path.join(dense, f"ckpt_{switch}.pt")
             if not os.path.exists(start):
@@ -80,10 +79,6 @@ def curves(out_dir):
     return val, kl
 
 
-def mean_std(xs):
-    return (statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
 def report(root, seeds, steps, switch, top_ks):
     """The markdown table and the per-run curves {name: [(val, kl) per seed]}."""
     names = ["dense"] + [f"k{k}" for k in top_ks]
@@ -100,11 +95,11 @@ def report(root, seeds, steps, switch, top_ks):
     for n in names:
         cells = [label[n]]
         for st in evals:
-            m, sd = mean_std([val[st] for val, _ in runs[n]])
-            cells.append(f"{m:.4f} ± {sd:.4f}")
+            xs = [val[st] for val, _ in runs[n]]
+            cells.append(f"{ablate._mean(xs):.4f} ± {ablate._std(xs):.4f}")
         diffs = [val[steps] - dval[steps] for (val, _), (dval, _) in zip(runs[n], runs["dense"])]
         cells += (["-", "-"] if n == "dense" else
-                  [", ".join(f"{d:+.4f}" for d in diffs), "{:+.4f} ± {:.4f}".format(*mean_std(diffs))])
+                  [", ".join(f"{d:+.4f}" for d in diffs), f"{ablate._mean(diffs):+.4f} ± {ablate._std(diffs):.4f}"])
         kls = [max((st, v) for st, v in kl.items() if st <= steps)[1] for _, kl in runs[n] if kl]
         cells.append(f"{statistics.mean(kls):.3f}" if kls else "-")
         lines.append("| " + " | ".join(cells) + " |")
