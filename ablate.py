@@ -477,7 +477,8 @@ def stage_blocked(sweep, variant, seed, lr=None):
 # the report
 
 
-def _mean(xs):
+def mean(xs):
+    """Mean of the non-missing values (None and NaN skipped); None when there are none."""
     xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
     return sum(xs) / len(xs) if xs else None
 
@@ -505,10 +506,10 @@ def result_dir(sweep, result):
     return run_dir(sweep, result["variant"], result["seed"], result["lr"] if sweep["lrs"] != [None] else None)
 
 
-def _std(xs):
+def std(xs):
     """Sample standard deviation (0 for a single value)."""
     xs = [x for x in xs if x is not None]
-    m = _mean(xs)
+    m = mean(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0 if xs else None
 
 
@@ -537,8 +538,8 @@ def best_lr(sweep, rs, metric):
         vals = [r["final"].get(name) for r in group]
         if any(v is None for v in vals):  # diverged or never evaluated
             return (-math.inf, 0)
-        m = _mean(vals)
-        return (m if higher else -m, -_mean([r["final"].get("step", 0) for r in group]))
+        m = mean(vals)
+        return (m if higher else -m, -mean([r["final"].get("step", 0) for r in group]))
     groups = by_lr(rs)
     lr = max(groups, key=lambda k: (score(groups[k]), -(k or 0)))
     return lr, groups[lr]
@@ -549,7 +550,7 @@ def mean_pm(xs):
     xs = [x for x in xs if x is not None]
     if not xs:
         return "–"
-    return _fmt(_mean(xs)) + (f" ± {_fmt(_std(xs), 2)}" if len(xs) > 1 else "")
+    return _fmt(mean(xs)) + (f" ± {_fmt(std(xs), 2)}" if len(xs) > 1 else "")
 
 
 def lr_table(sweep, results, metric):
@@ -592,13 +593,13 @@ def results_table(sweep, results, metric=None):
         cells = [variant, str(len(rs))]
         if metric:
             cells += [f"{rs[0]['lr']:.3g}", mean_pm([r["final"].get(metric[0]) for r in rs]),
-                      _fmt(_mean([r["final"].get("step") for r in rs]))]
+                      _fmt(mean([r["final"].get("step") for r in rs]))]
         cells += [cost.human(rs[0]["params"]),
-                 cost.human(_mean([r["train_tokens_per_s"] for r in rs]) or 0)]
-        cells += [_fmt(_mean([r["final"].get(k) for r in rs])) for k in final_cols]
-        cells += [_fmt(_mean([r["evals"].get(n, {}).get(k) for r in rs])) for n, k in eval_cols]
+                 cost.human(mean([r["train_tokens_per_s"] for r in rs]) or 0)]
+        cells += [_fmt(mean([r["final"].get(k) for r in rs])) for k in final_cols]
+        cells += [_fmt(mean([r["evals"].get(n, {}).get(k) for r in rs])) for n, k in eval_cols]
         cells += [cost.human(cost.cache_bytes(cfg.model, L), "B") for L in CONTEXTS]
-        cells += [_fmt(_mean([r["decode_ms_per_token"] for r in rs]))]
+        cells += [_fmt(mean([r["decode_ms_per_token"] for r in rs]))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -92,12 +92,12 @@ def plot(rows, path):
     for name, stages in rows:
         stages = [s for s in stages if s["runs"]]
         Ls = [s["setting"][0] for s in stages]
-        means = [ablate._mean([r["acc"] for r in s["runs"]]) for s in stages]
+        means = [ablate.mean([r["acc"] for r in s["runs"]]) for s in stages]
         line, = ax.plot(Ls, means, marker="o", lw=2, label=f"{name}: end of stage")
         for seed in sorted({r["seed"] for s in stages for r in s["runs"]}):
             pts = [(s["setting"][0], r["acc"]) for s in stages for r in s["runs"] if r["seed"] == seed and r["acc"] is not None]
             ax.plot(*zip(*pts), color=line.get_color(), lw=0.8, alpha=0.4)
-        before = [(s["setting"][0], ablate._mean([r["before"] for r in s["runs"]])) for s in stages
+        before = [(s["setting"][0], ablate.mean([r["before"] for r in s["runs"]])) for s in stages
                   if any(r["before"] is not None for r in s["runs"])]
         if before:  # the starting weights on the stage's setting, before training there
             ax.plot(*zip(*before), color=line.get_color(), ls="--", marker="x", lw=1, label=f"{name}: its start")

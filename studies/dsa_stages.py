@@ -96,10 +96,10 @@ def report(root, seeds, steps, switch, top_ks):
         cells = [label[n]]
         for st in evals:
             xs = [val[st] for val, _ in runs[n]]
-            cells.append(f"{ablate._mean(xs):.4f} ± {ablate._std(xs):.4f}")
+            cells.append(f"{ablate.mean(xs):.4f} ± {ablate.std(xs):.4f}")
         diffs = [val[steps] - dval[steps] for (val, _), (dval, _) in zip(runs[n], runs["dense"])]
         cells += (["-", "-"] if n == "dense" else
-                  [", ".join(f"{d:+.4f}" for d in diffs), f"{ablate._mean(diffs):+.4f} ± {ablate._std(diffs):.4f}"])
+                  [", ".join(f"{d:+.4f}" for d in diffs), f"{ablate.mean(diffs):+.4f} ± {ablate.std(diffs):.4f}"])
         kls = [max((st, v) for st, v in kl.items() if st <= steps)[1] for _, kl in runs[n] if kl]
         cells.append(f"{statistics.mean(kls):.3f}" if kls else "-")
         lines.append("| " + " | ".join(cells) + " |")

@@ -57,7 +57,7 @@ def plot(out, train_len, path):
     fig, ax = accuracy_axes()
     for variant, (lr, accs) in out.items():                       # the mean, and each seed thin
         Ls = list(accs)
-        line, = ax.plot(Ls, [ablate._mean(accs[L]) for L in Ls], marker="o", lw=2, label=f"{variant} (lr {lr:g})")
+        line, = ax.plot(Ls, [ablate.mean(accs[L]) for L in Ls], marker="o", lw=2, label=f"{variant} (lr {lr:g})")
         for seed_accs in zip(*(accs[L] for L in Ls)):
             ax.plot(Ls, seed_accs, color=line.get_color(), lw=0.8, alpha=0.4)
     ax.axvline(train_len, color="gray", ls=":", label="training length")
