@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels  # noqa: E402
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768], help="T = S on the GPU")
@@ -42,7 +42,7 @@ def parse_args():
     p.add_argument("--index-heads", type=int, default=64)
     p.add_argument("--index-dim", type=int, default=128)
     p.add_argument("--cpu-T", type=int, nargs="+", default=[1024, 2048], help="T for the CPU figures")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for name, value in vars(args).items():  # every size: an integer >= 1 (0 or less was a traceback)
         if any(isinstance(v, int) and not isinstance(v, bool) and v < 1 for v in (value if isinstance(value, list) else [value])):
             print(f"error: --{name.replace('_', '-')}: must be integers >= 1 (got {value})", file=sys.stderr)

@@ -7,16 +7,21 @@ all written to one JSON file. bench/gpu_check.sh calls it; see there.
 Sections (each recorded in the JSON, in this order):
   checks  every Triton op against its torch path on the same device, fp32 and bf16 (fp16 in --dry-run:
           the interpreter has no bf16 arithmetic), forward AND the
-          gradients of every input: attention (causal, GQA, window, sinks), delta_rule (per-channel
-          and per-head gate, initial state, final state), delta_rule_step. Error = max |a - b| /
-          max |b|; limits: fp32 2e-3 (Triton's fp32 dots use TF32 on GPU), bf16 3e-2.
-  kernels forward+backward ms: attention (triton, SDPA flash backend, flash_attn if installed) and
-          the delta rule (triton, torch, flash-linear-attention if installed). Not in --dry-run.
+          gradients of every input: attention (causal, GQA, window, sinks, packed documents),
+          delta_rule (per-channel and per-head gate, initial state, final state, packed documents),
+          delta_rule_step, DSA's sparse_mla_attention and index_topk (the scores of the keys each
+          path selected: ties may break differently), NSA's block_sparse_attention, paged decode (with
+          and without a window and sinks). Error = max |a - b| / max |b|; limits: fp32 2e-3 (Triton's
+          fp32 dots use TF32 on GPU), bf16 3e-2. An op that raises is a failed row with its error.
+  kernels forward+backward ms: attention (triton, SDPA flash backend, flash_attn if installed), the
+          delta rule (triton, torch, flash-linear-attention if installed), and bench_sparse.py's rows
+          at T=8192 (NSA selection, DSA sparse MLA, each against dense attention; the indexer's
+          top-k). Not in --dry-run.
   train   steps of a 3 KDA : 1 MLA model (d=768, 12 layers, ~125M parameters; tiny in --dry-run),
           bf16 autocast on CUDA, fused AdamW; tokens/s over the steps after warm-up and MFU
           (cost.py's FLOPs per token over the device's dense bf16 peak).
-Exit status: 0 when every check passes; 1 when a kernel is wrong (the JSON still says which), 2
-without CUDA and without --dry-run.
+Exit status: 0 when every check passes; 1 when a kernel is wrong or raises, or a section fails (the
+JSON still says which, and holds every other section's results); 2 without CUDA and without --dry-run.
 """
 import argparse
 import json
@@ -44,7 +49,20 @@ def rel_err(a, b):
 
 
 def compare(name, fn, inputs, dtype, limit, grad=True):
-    """Run fn(*inputs, backend) for triton and torch; compare the outputs and (grad) every input gradient."""
+    """Run fn(*inputs, backend) for triton and torch; compare the outputs and (grad) every input gradient.
+    An exception is a failed row with its error line."""
+    try:
+        return _compare(name, fn, inputs, dtype, limit, grad)
+    except Exception as e:  # one op that raises (say, a kernel that does not compile) fails, the rest still run
+        return {"name": name, "dtype": str(dtype).replace("torch.", ""), "max_rel_err": float("nan"),
+                "limit": limit, "ok": False, "error": error_line(e)}
+
+
+def error_line(e):
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+
+
+def _compare(name, fn, inputs, dtype, limit, grad):
     import torch
     results = {}
     for backend in ("triton", "torch"):
@@ -66,36 +84,100 @@ def compare(name, fn, inputs, dtype, limit, grad=True):
 
 def run_checks(device, dry):
     import torch
-    import torch.nn.functional as F
-    import kernels
     torch.manual_seed(0)
-    B, H, T, D = (1, 2, 24, 16) if dry else (2, 4, 300, 64)
     rows = []
     for dtype in (torch.float32, torch.float16 if dry else torch.bfloat16):  # the interpreter has no bf16
         limit = LIMITS[str(dtype).replace("torch.", "")]
-        r = lambda *s: torch.randn(*s, device=device).to(dtype)
-        for name, Hkv, window, sinks in (("attention causal", H, None, False), ("attention gqa", 1, None, False),
-                                         ("attention window", H, 16, False), ("attention sinks", H, 16, True)):
-            inputs = [r(B, T, H, D), r(B, T, Hkv, D), r(B, T, Hkv, D)]
-            sink = torch.randn(H, device=device) if sinks else None
-            fn = lambda q, k, v, backend: kernels.attention(q, k, v, window=window, sinks=sink, backend=backend)
-            rows.append(compare(name, fn, inputs, dtype, limit))
-        for per_channel in (True, False):
+        rows += dense_checks(device, dry, dtype, limit) + sparse_checks(device, dry, dtype, limit)
+    for row in rows:
+        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {row['name']:<32} {row['dtype']:<9} "
+              f"max rel err {row['max_rel_err']:.2e} (limit {row['limit']:.0e})"
+              + (f"  {row['error']}" if "error" in row else ""), flush=True)
+    return rows
+
+
+def dense_checks(device, dry, dtype, limit):
+    """Attention (causal, GQA, window, sinks, packed documents) and the delta rule (KDA and GDN gates,
+    initial and final state, packed documents, the one-token decode step)."""
+    import torch
+    import torch.nn.functional as F
+    import kernels
+    B, H, T, D = (1, 2, 24, 16) if dry else (2, 4, 300, 64)
+    cu = torch.tensor([0, T // 4, 2 * T // 3, T], device=device)       # three packed documents (B = 1)
+    r = lambda *s: torch.randn(*s, device=device).to(dtype)
+    rows = []
+    for name, Hkv, window, sinks in (("attention causal", H, None, False), ("attention gqa", 1, None, False),
+                                     ("attention window", H, 16, False), ("attention sinks", H, 16, True)):
+        inputs = [r(B, T, H, D), r(B, T, Hkv, D), r(B, T, Hkv, D)]
+        sink = torch.randn(H, device=device) if sinks else None
+        fn = lambda q, k, v, backend: kernels.attention(q, k, v, window=window, sinks=sink, backend=backend)
+        rows.append(compare(name, fn, inputs, dtype, limit))
+    fn = lambda q, k, v, backend: kernels.attention(q, k, v, cu_seqlens=cu, backend=backend)
+    rows.append(compare("attention packed", fn, [r(1, T, H, D), r(1, T, 1, D), r(1, T, 1, D)], dtype, limit))
+    for per_channel in (True, False):
+        def delta_inputs(B):
             q, k = (F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).to(dtype) for _ in range(2))
             g = -F.softplus(torch.randn((B, T, H, D) if per_channel else (B, T, H), device=device))
-            beta = torch.sigmoid(torch.randn(B, T, H, device=device)).to(dtype)
-            S0 = torch.randn(B, H, D, D, device=device)
-            fn = lambda q, k, v, g, beta, S0, backend: kernels.delta_rule(
-                q, k, v, g, beta, initial_state=S0, output_final_state=True, backend=backend)
-            kind = "kda" if per_channel else "gdn"
-            rows.append(compare(f"delta_rule {kind}", fn, [q, k, r(B, T, H, D), g, beta, S0], dtype, limit))
-            step = lambda q, k, v, g, beta, S0, backend: (kernels.delta_rule_step(
-                q, k, v, g, beta, S := S0.detach().clone(), backend=backend), S)
-            rows.append(compare(f"delta_rule_step {kind}", step, [x[:, 0] for x in (q, k, r(B, T, H, D), g, beta)]
-                                + [S0], dtype, limit, grad=False))   # decode: in place, no autograd
-    for row in rows:
-        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {row['name']:<24} {row['dtype']:<9} "
-              f"max rel err {row['max_rel_err']:.2e} (limit {row['limit']:.0e})", flush=True)
+            return [q, k, r(B, T, H, D), g, torch.sigmoid(torch.randn(B, T, H, device=device)).to(dtype)]
+        kind = "kda" if per_channel else "gdn"
+        S0 = torch.randn(B, H, D, D, device=device)
+        fn = lambda q, k, v, g, beta, S0, backend: kernels.delta_rule(
+            q, k, v, g, beta, initial_state=S0, output_final_state=True, backend=backend)
+        rows.append(compare(f"delta_rule {kind}", fn, delta_inputs(B) + [S0], dtype, limit))
+        fn = lambda q, k, v, g, beta, backend: kernels.delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend=backend)
+        rows.append(compare(f"delta_rule {kind} packed", fn, delta_inputs(1), dtype, limit))
+        step = lambda q, k, v, g, beta, S0, backend: (kernels.delta_rule_step(
+            q, k, v, g, beta, S := S0.detach().clone(), backend=backend), S)
+        rows.append(compare(f"delta_rule_step {kind}", step, [x[:, 0] for x in delta_inputs(B)] + [S0],
+                            dtype, limit, grad=False))   # decode: in place, no autograd
+    return rows
+
+
+def sparse_checks(device, dry, dtype, limit):
+    """DSA's sparse MLA attention and indexer top-k, NSA's block-sparse selection, paged decode."""
+    import torch
+    import kernels
+    from bench_sparse import nsa_blocks
+    from kernels.torch_sparse import index_scores
+    B, T, H, Hkv, D = (1, 24, 4, 2, 16) if dry else (2, 300, 16, 4, 128)
+    d_c, d_rope, top_k, HI, dI = (16, 8, 8, 2, 8) if dry else (512, 64, 64, 4, 64)
+    block, n_sel = (4, 4) if dry else (32, 5)
+    gen = torch.Generator(device=device).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=device, generator=gen).to(dtype)
+    rows = []
+    # DSA: top_k distinct visible keys per query, its own position among them (every row has a key)
+    pick = torch.rand(B, T, T, device=device, generator=gen).masked_fill(
+        torch.ones(T, T, dtype=torch.bool, device=device).triu(1), -1.0)
+    pick.diagonal(dim1=1, dim2=2).fill_(2.0)
+    top = pick.topk(top_k, -1)
+    idx = top.indices.masked_fill(top.values < 0, -1)                 # early queries: -1 padding
+    Dk = d_c + d_rope
+    fn = lambda q, kv, idx, backend: kernels.sparse_mla_attention(q, kv, idx, d_v=d_c, scale=Dk ** -0.5,
+                                                                  backend=backend)
+    rows.append(compare("sparse_mla_attention (dsa)", fn, [r(B, T, H, Dk), r(B, T, Dk), idx], dtype, limit))
+    # the indexer: the two paths may break near-ties differently, so compare the scores they selected
+    iq, iw, ik = r(B, T, HI, dI), r(B, T, HI), r(B, T, dI)
+    scores, pos = index_scores(iq, iw, ik), torch.arange(T, device=device).view(1, T, 1)
+
+    def selected(iq, iw, ik, backend):
+        sel = kernels.index_topk(iq, iw, ik, top_k, backend=backend)
+        valid = (sel >= 0) & (sel <= pos)
+        return scores.gather(-1, sel.clamp(0, T - 1)).masked_fill(~valid, 0), valid.float()
+    rows.append(compare("index_topk (dsa)", selected, [iq, iw, ik], dtype, limit, grad=False))
+    blocks = nsa_blocks(B, T, Hkv, n_sel, block, device, gen)
+    fn = lambda q, k, v, backend: kernels.block_sparse_attention(q, k, v, blocks, block, backend=backend)
+    rows.append(compare("block_sparse_attention (nsa)", fn, [r(B, T, H, D), r(B, T, Hkv, D), r(B, T, Hkv, D)],
+                        dtype, limit))
+    # paged decode: 3 rows of T, T // 3 and 1 keys, their blocks scattered over one pool
+    lens = torch.tensor([T, T // 3, 1], device=device)
+    nb = -(-T // block)
+    table = torch.randperm(3 * nb, device=device, generator=gen).view(3, nb)
+    pools = [r(3 * nb, block, Hkv, D), r(3 * nb, block, Hkv, D)]
+    for name, window, sinks in (("paged_decode", None, None), ("paged_decode window sinks", 16,
+                                                                torch.randn(H, device=device, generator=gen))):
+        fn = lambda q, kp, vp, backend: kernels.paged_attention(q, kp, vp, table, lens, window=window, sinks=sinks,
+                                                                backend=backend)
+        rows.append(compare(name, fn, [r(3, 1, H, D)] + pools, dtype, limit, grad=False))
     return rows
 
 
@@ -152,9 +234,33 @@ def run_kernels(device):
         except ImportError:
             row["fla_ms"] = "not installed"
         rows.append(row)
+    rows += sparse_kernels(device)
     for row in rows:
         print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
+    return rows
+
+
+def sparse_kernels(device, seqlens=(8192,)):
+    """bench_sparse.py's rows at its default (paper-sized) shapes: NSA selection and DSA's sparse MLA
+    against dense attention, the indexer's top-k. A kernel that raises is a row with "error"."""
+    import torch
+    from triton.testing import do_bench
+    import bench_sparse
+    a = bench_sparse.parse_args([])
+    rows = []
+    for T in seqlens:
+        for name, (fn, inputs) in bench_sparse.cases(a, T, device, torch.bfloat16).items():
+            row = {"op": f"sparse {name}", "T": T}
+            try:
+                with torch.no_grad():
+                    row["fwd_ms"] = do_bench(fn, warmup=5, rep=40)
+                row["fwd_bwd_ms"] = do_bench(bench_sparse.fwd_bwd(fn, inputs), warmup=5, rep=40) if inputs \
+                    else "forward only"
+            except Exception as e:  # recorded, and main fails the run on it
+                row["error"] = error_line(e)
+            rows.append(row)
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -236,17 +342,28 @@ def main(argv=None):
         report["triton"] = None
     t_start = time.perf_counter()
     failed = []
+
+    def section(name, title, work):
+        """One section into the report (and returned); an exception fails the run, the others still run."""
+        print(title, flush=True)
+        try:
+            report[name] = work()
+            return report[name]
+        except Exception as e:
+            report[name] = {"error": error_line(e)}
+            failed.append(f"{name}: {report[name]['error']}")
+            print(f"  FAIL {report[name]['error']}", flush=True)
+
     if "checks" not in args.skip:
-        print("checks: Triton ops vs torch paths", flush=True)
-        report["checks"] = run_checks(device, args.dry_run)
-        failed = [f"{r['name']} {r['dtype']}" for r in report["checks"] if not r["ok"]]
+        rows = section("checks", "checks: Triton ops vs torch paths", lambda: run_checks(device, args.dry_run))
+        failed += [f"{r['name']} {r['dtype']}" for r in rows or [] if not r["ok"]]
     if "kernels" not in args.skip and not args.dry_run:
-        print("kernels: forward+backward ms (bf16)", flush=True)
-        report["kernels"] = run_kernels(device)
+        rows = section("kernels", "kernels: forward+backward ms (bf16)", lambda: run_kernels(device))
+        failed += [f"{r['op']} T={r['T']}: {r['error']}" for r in rows or [] if "error" in r]
     if "train" not in args.skip:
-        print("train: 3 KDA : 1 MLA", flush=True)
-        report["train"] = run_train(device, args.dry_run, 3 if args.dry_run else args.train_steps)
-        if not report["train"]["finite"]:
+        row = section("train", "train: 3 KDA : 1 MLA",
+                      lambda: run_train(device, args.dry_run, 3 if args.dry_run else args.train_steps))
+        if row is not None and not row["finite"]:
             failed.append("train: non-finite loss")
     report["failed"] = failed
     report["ok"] = not failed

@@ -60,19 +60,34 @@ def run_gpu_check(tmp_path, *args):
 
 
 def test_gpu_check_fails_loudly_on_a_wrong_kernel(tmp_path, monkeypatch):
-    """A Triton op that disagrees with its torch path: exit status 1 and the JSON names it. (The
-    Triton functions are replaced by torch ones here, one of them wrong, so no interpreter runs.)"""
+    """Triton ops that disagree with their torch paths, or raise: exit status 1, the JSON names each,
+    and the other checks and the training still run. (The Triton functions are replaced by torch ones
+    here, some of them wrong, so no interpreter runs.)"""
     import kernels.triton_attention as ta
     import kernels.triton_delta_rule as td
+    import kernels.triton_paged as tp
+    import kernels.triton_sparse as ts
+    import kernels.torch_sparse as sp
     from kernels.torch_attention import attention_torch
     from kernels.torch_delta_rule import delta_rule_step_torch, delta_rule_torch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of resources: shared memory")
     monkeypatch.setattr(ta, "attention_triton", lambda q, k, v, **kw: attention_torch(q, k, v, **kw) * 1.1)
     monkeypatch.setattr(td, "delta_rule_triton", delta_rule_torch)
     monkeypatch.setattr(td, "delta_rule_step_triton", delta_rule_step_torch)
+    monkeypatch.setattr(ts, "sparse_mla_attention_triton", sp.sparse_mla_attention_torch)
+    monkeypatch.setattr(ts, "index_topk_triton", lambda *a: sp.index_topk_torch(*a).flip(-1))   # worst first
+    monkeypatch.setattr(ts, "block_sparse_attention_triton", sp.block_sparse_attention_torch)
+    monkeypatch.setattr(tp, "paged_decode_triton", broken)
     rc, report = run_gpu_check(tmp_path)
     assert rc == 1 and report["ok"] is False
-    assert all(r["ok"] == r["name"].startswith("delta_rule") for r in report["checks"])
-    assert "attention causal float32" in report["failed"] and len(report["failed"]) == 8
+    wrong = ("attention", "index_topk", "paged_decode")
+    assert all(r["ok"] != r["name"].startswith(wrong) for r in report["checks"]) and len(report["checks"]) == 32
+    assert "attention causal float32" in report["failed"] and "index_topk (dsa) float16" in report["failed"]
+    assert len(report["failed"]) == 2 * (5 + 1 + 2)
+    paged = [r for r in report["checks"] if r["name"].startswith("paged_decode")]
+    assert all(r["error"] == "RuntimeError: out of resources: shared memory" for r in paged)
     assert report["train"]["finite"] and report["train"]["params"] > 0
 
 
@@ -80,7 +95,7 @@ def test_gpu_check_fails_loudly_on_a_wrong_kernel(tmp_path, monkeypatch):
 def test_gpu_check_dry_run_passes(tmp_path):
     """The whole driver on CPU under the Triton interpreter (about 2 minutes on 1 thread)."""
     rc, report = run_gpu_check(tmp_path)
-    assert rc == 0 and report["ok"] and len(report["checks"]) == 16
+    assert rc == 0 and report["ok"] and len(report["checks"]) == 32
 
 
 def test_qwen3next_bench_builds_the_same_model_and_runs():
