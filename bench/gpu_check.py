@@ -17,6 +17,10 @@ Sections (each recorded in the JSON, in this order):
           delta rule (triton, torch, flash-linear-attention if installed), and bench_sparse.py's rows
           at T=8192 (NSA selection, DSA sparse MLA, each against dense attention; the indexer's
           top-k). Not in --dry-run.
+  compile each mixer family (kda+mla, gdn+attn, nsa, dsa; small models, B=4, T=1024) on the triton
+          backend under torch.compile(fullgraph=True, Inductor): a graph break or an error fails; loss
+          and gradients against eager (fp32 limit), compile time, eager vs compiled tokens/s. In
+          --dry-run: kda+mla only, with aot_eager.
   train   steps of a 3 KDA : 1 MLA model (d=768, 12 layers, ~125M parameters; tiny in --dry-run),
           bf16 autocast on CUDA, fused AdamW; tokens/s over the steps after warm-up and MFU
           (cost.py's FLOPs per token over the device's dense bf16 peak).
@@ -40,7 +44,7 @@ def parse_args(argv):
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes, Triton under the interpreter: checks the driver, not the GPU")
     p.add_argument("--train-steps", type=int, default=50)
-    p.add_argument("--skip", nargs="*", default=[], choices=["checks", "kernels", "train"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["checks", "kernels", "compile", "train"])
     return p.parse_args(argv)
 
 
@@ -316,6 +320,75 @@ def run_train(device, dry, steps):
     return row
 
 
+COMPILE_FAMILIES = {"kda+mla": ["kda", "mla"], "gdn+attn": ["gdn", "attn"], "nsa": ["nsa"], "dsa": ["dsa"]}
+
+
+def compile_model_config(pattern, d=32, heads=2, vocab=32):
+    """A small model of `pattern` on the triton backend (layer kinds: kda, gdn, mla, attn, nsa, dsa =
+    MLA with DSA's sparse stage); tests/test_library_ops.py compiles the same models on CPU."""
+    from model import ModelConfig
+    hd, r = d // heads, d // 2
+    mla = {"kind": "mla", "n_heads": heads, "q_lora_rank": r, "kv_lora_rank": r, "qk_nope_dim": hd // 2,
+           "qk_rope_dim": hd // 2, "v_head_dim": hd // 2}
+    layers = {"kda": {"kind": "kda", "n_heads": heads, "head_dim": hd},
+              "gdn": {"kind": "gdn", "n_heads": heads, "head_dim": hd},
+              "mla": {**mla, "rope": False},
+              "attn": {"kind": "attn", "n_heads": heads, "n_kv_heads": heads // 2},
+              "nsa": {"kind": "nsa", "n_heads": heads, "n_kv_heads": heads // 2, "head_dim": hd, "cmp_block": 4,
+                      "cmp_stride": 4, "sel_block": 4, "n_sel": 3, "window": 4},
+              "dsa": {**mla, "dsa": {"n_heads": heads, "head_dim": hd, "rope_dim": hd // 2, "top_k": 4,
+                                     "stage": "sparse"}}}
+    return ModelConfig.from_dict(dict(vocab_size=vocab, d_model=d, n_layer=len(pattern), pattern=pattern,
+                                      backend="triton", layers={p: layers[p] for p in pattern},
+                                      mlp={"kind": "swiglu", "hidden": 2 * d}))
+
+
+def run_compile(device, dry):
+    """Each mixer family on the triton backend under torch.compile(fullgraph=True) (a graph break is an
+    error): loss and every gradient against eager (fp32), compile time, and eager vs compiled training
+    tokens/s. Inductor on CUDA; in --dry-run one family with aot_eager (the interpreter has no codegen)."""
+    import torch
+    from model import GPT
+    d, heads, B, T, families = (32, 2, 1, 20, ["kda+mla"]) if dry else (256, 4, 4, 1024, list(COMPILE_FAMILIES))
+    rows = []
+    for name in families:
+        row = {"family": name, "B": B, "T": T}
+        try:
+            torch.manual_seed(0)
+            model = GPT(compile_model_config(COMPILE_FAMILIES[name], d, heads, vocab=256)).to(device)
+            idx = torch.randint(0, 256, (B, T), device=device, generator=torch.Generator(device).manual_seed(1))
+
+            def step(m):
+                model.zero_grad(set_to_none=True)
+                _, loss = m(idx, idx)
+                loss.backward()
+                return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+            eager = step(model)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True, backend="aot_eager" if dry else "inductor")
+            t0 = time.perf_counter()
+            got = step(compiled)
+            row["compile_s"] = time.perf_counter() - t0
+            row["max_rel_err"] = max(rel_err(a, b) for a, b in zip(got, eager))
+            row["ok"] = math.isfinite(row["max_rel_err"]) and row["max_rel_err"] <= LIMITS["float32"]
+            if not dry:
+                for label, m in (("eager", model), ("compiled", compiled)):
+                    step(m)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(5):
+                        step(m)
+                    torch.cuda.synchronize()
+                    row[f"{label}_tok_s"] = 5 * B * T / (time.perf_counter() - t0)
+        except Exception as e:  # a graph break under fullgraph=True lands here too
+            row.update(ok=False, error=error_line(e))
+        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {name:<9} " + "  ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+            if k not in ("family", "ok")), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
@@ -360,6 +433,11 @@ def main(argv=None):
     if "kernels" not in args.skip and not args.dry_run:
         rows = section("kernels", "kernels: forward+backward ms (bf16)", lambda: run_kernels(device))
         failed += [f"{r['op']} T={r['T']}: {r['error']}" for r in rows or [] if "error" in r]
+    if "compile" not in args.skip:
+        rows = section("compile", "compile: torch.compile(fullgraph=True) vs eager, triton backend",
+                       lambda: run_compile(device, args.dry_run))
+        failed += [f"compile {r['family']}" + (f": {r['error']}" if "error" in r else "") for r in rows or []
+                   if not r["ok"]]
     if "train" not in args.skip:
         row = section("train", "train: 3 KDA : 1 MLA",
                       lambda: run_train(device, args.dry_run, 3 if args.dry_run else args.train_steps))

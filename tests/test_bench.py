@@ -80,7 +80,7 @@ def test_gpu_check_fails_loudly_on_a_wrong_kernel(tmp_path, monkeypatch):
     monkeypatch.setattr(ts, "index_topk_triton", lambda *a: sp.index_topk_torch(*a).flip(-1))   # worst first
     monkeypatch.setattr(ts, "block_sparse_attention_triton", sp.block_sparse_attention_torch)
     monkeypatch.setattr(tp, "paged_decode_triton", broken)
-    rc, report = run_gpu_check(tmp_path)
+    rc, report = run_gpu_check(tmp_path, "--skip", "compile")
     assert rc == 1 and report["ok"] is False
     wrong = ("attention", "index_topk", "paged_decode")
     assert all(r["ok"] != r["name"].startswith(wrong) for r in report["checks"]) and len(report["checks"]) == 32
@@ -91,11 +91,27 @@ def test_gpu_check_fails_loudly_on_a_wrong_kernel(tmp_path, monkeypatch):
     assert report["train"]["finite"] and report["train"]["params"] > 0
 
 
+def test_gpu_check_compile_fails_on_a_graph_break(tmp_path, monkeypatch):
+    """A kernel call that breaks the graph fails the compile section by name (fullgraph=True), with
+    torch's error line in the JSON."""
+    import kernels.triton_delta_rule as td
+    from kernels.torch_delta_rule import delta_rule_torch
+
+    def breaks(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return delta_rule_torch(*args, **kwargs)
+    monkeypatch.setattr(td, "delta_rule_triton", breaks)
+    rc, report = run_gpu_check(tmp_path, "--skip", "checks", "train")
+    assert rc == 1 and report["failed"][0].startswith("compile kda+mla: ")
+    assert "graph" in report["compile"][0]["error"].lower() and report["compile"][0]["ok"] is False
+
+
 @pytest.mark.slow
 def test_gpu_check_dry_run_passes(tmp_path):
     """The whole driver on CPU under the Triton interpreter (about 2 minutes on 1 thread)."""
     rc, report = run_gpu_check(tmp_path)
     assert rc == 0 and report["ok"] and len(report["checks"]) == 32
+    assert [r["family"] for r in report["compile"]] == ["kda+mla"] and report["compile"][0]["max_rel_err"] < 1e-5
 
 
 def test_qwen3next_bench_builds_the_same_model_and_runs():

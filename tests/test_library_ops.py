@@ -4,6 +4,9 @@ the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), and a whole 
 backend compiled with fullgraph=True (no graph break) equal to eager. Shapes are tiny: the interpreter
 is slow.
 """
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +14,10 @@ from torch.library import opcheck
 
 import kernels
 from kernels import triton_attention, triton_delta_rule, triton_paged, triton_sparse  # noqa: F401 (registers)
-from model import GPT, ModelConfig
+from model import GPT
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from gpu_check import compile_model_config  # noqa: E402
 
 OPS = torch.ops.hybrid
 
@@ -105,19 +111,7 @@ def test_triton_model_compiles_fullgraph(pattern):
     """A hybrid model on the triton backend compiles with fullgraph=True (no graph break: every kernel is
     one registered op) and its loss and gradients equal eager's. aot_eager: the graph capture, fake
     impls and registered autograd are what is tested, not Inductor's code generation."""
-    layers = {"kda": {"kind": "kda", "n_heads": 2, "head_dim": 16},
-              "gdn": {"kind": "gdn", "n_heads": 2, "head_dim": 16},
-              "mla": {"kind": "mla", "n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_dim": 8,
-                      "qk_rope_dim": 8, "v_head_dim": 8, "rope": False},
-              "attn": {"kind": "attn", "n_heads": 2, "n_kv_heads": 1},
-              "nsa": {"kind": "nsa", "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "cmp_block": 4, "cmp_stride": 4,
-                      "sel_block": 4, "n_sel": 3, "window": 4},
-              "dsa": {"kind": "mla", "n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_dim": 8,
-                      "qk_rope_dim": 8, "v_head_dim": 8,
-                      "dsa": {"n_heads": 2, "head_dim": 16, "rope_dim": 8, "top_k": 4, "stage": "sparse"}}}
-    cfg = ModelConfig.from_dict(dict(vocab_size=32, d_model=32, n_layer=len(pattern), pattern=pattern,
-                                     backend="triton",
-                                     layers={p: layers[p] for p in pattern}, mlp={"kind": "swiglu", "hidden": 64}))
+    cfg = compile_model_config(pattern)            # d 32, 2 heads, vocab 32: the GPU check's models, smaller
     torch.manual_seed(0)
     model = GPT(cfg)
     idx = torch.randint(0, 32, (1, 20), generator=torch.Generator().manual_seed(1))
