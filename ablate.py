@@ -545,6 +545,16 @@ def best_lr(sweep, rs, metric):
     return lr, groups[lr]
 
 
+def best_runs(sweep, only=None):
+    """({variant: (best lr, the runs at that lr)}, selection metric) over the finished runs of the variants
+    in `only` (all if None); a one-line DataError when there are none."""
+    results = {v: rs for v, rs in collect(sweep).items() if not only or v in only}
+    if not results:
+        raise DataError(f"{sweep['out_dir']}: no finished run (result.json) yet")
+    metric = select_metric(sweep, results)
+    return {v: best_lr(sweep, rs, metric) for v, rs in results.items()}, metric
+
+
 def mean_pm(xs):
     """'mean ± sample std' of the non-missing values."""
     xs = [x for x in xs if x is not None]

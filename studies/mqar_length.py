@@ -25,13 +25,9 @@ from studies import accuracy_axes, save_accuracy_plot  # noqa: E402
 def accuracy_by_length(sweep, lengths, n_batches, only=None, n_pairs=0, log=print):
     """{variant: (best lr, {length: [accuracy of each seed]})} over the finished runs (of the variants
     in `only`, if given), with n_pairs pairs per sequence (0: each run's training number)."""
-    results = {v: rs for v, rs in ablate.collect(sweep).items() if not only or v in only}
-    if not results:
-        raise DataError(f"{sweep['out_dir']}: no finished run (result.json) yet")
-    metric = ablate.select_metric(sweep, results)
+    best, _ = ablate.best_runs(sweep, only)
     out = {}
-    for variant, rs in results.items():
-        lr, runs = ablate.best_lr(sweep, rs, metric)
+    for variant, (lr, runs) in best.items():
         accs = {L: [] for L in lengths}
         for r in runs:
             model, cfg = load_model(ablate.result_dir(sweep, r))

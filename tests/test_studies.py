@@ -1,4 +1,5 @@
 """studies/: the MQAR accuracy-vs-length and attention-sink scripts on a tiny trained sweep."""
+import math
 import os
 import re
 
@@ -6,7 +7,7 @@ import torch
 
 import ablate
 from studies import attention_sinks, mqar_length
-from test_ablate import GRID, write_sweep
+from test_ablate import GRID, SWEEP, write_sweep
 
 
 def test_studies_on_a_tiny_sweep(tmp_path, capsys):
@@ -164,3 +165,33 @@ def test_dsa_stages_resumes_dense_and_tabulates(tmp_path, capsys):
     assert dsa_stages.main(args[:-len(tiny)] + ["--report_only"]) == 0
     assert dsa_stages.main(["--root", str(tmp_path / "none"), "--report_only"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: ")
+
+
+def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
+    """Planted per-seed results: the variant table (mean, bootstrap interval around it, median, count of
+    solved seeds) at each variant's best lr, and the pairs' permutation p: 2 / C(6, 3) = 0.1 for three
+    seeds that all beat three others (the smallest two-sided p there is), 1 for identical groups."""
+    import json
+    from studies import seed_stats
+    body = SWEEP.replace("seeds: [0]", "seeds: [0, 1, 2]\nlrs: [1.0e-3, 3.0e-3]\nselect: val_acc").replace(
+        "  hybrid: {model.pattern: [kda, attn]}\n", "  twin: {}\n  low: {}\n")
+    sweep = ablate.load_sweep(write_sweep(tmp_path, body))
+    planted = {("attn", 1e-3): [0.9, 0.95, 1.0], ("attn", 3e-3): [0.1, 0.2, 0.3],
+               ("twin", 1e-3): [0.9, 0.95, 1.0], ("low", 1e-3): [0.1, 0.2, 0.3]}
+    for (variant, lr), accs in planted.items():
+        for seed, acc in enumerate(accs):
+            d = ablate.run_dir(sweep, variant, seed, lr)
+            os.makedirs(d)
+            with open(os.path.join(d, "result.json"), "w") as f:
+                json.dump({"variant": variant, "seed": seed, "lr": lr, "final": {"step": 10, "val_acc": acc}}, f)
+    assert seed_stats.main([sweep["path"], "--solved", "0.92"]) == 0
+    out = capsys.readouterr().out
+    row = re.search(r"\| attn \| 3 \| 0\.950 \[(\S+), (\S+)\] \| 0\.050 \| 0\.950 \| 0\.900 - 1\.000 \| 2 / 3 \|", out)
+    assert row and 0.9 <= float(row[1]) < 0.95 < float(row[2]) <= 1.0, out
+    assert "| low | 3 | 0.200 [" in out and "| 0 / 3 |" in out
+    assert re.search(r"\| attn - twin \| \+0\.000 \[\S+, \S+\] \| 1\.000 \|", out)
+    assert re.search(r"\| attn - low \| \+0\.750 \[\+0\.6\d\d, \+0\.8\d\d\] \| 0\.100 \|", out)
+    assert seed_stats.permutation_p([1.0] * 10, [0.0] * 10) == 2 / math.comb(20, 10)          # exact
+    assert seed_stats.permutation_p(list(range(12)), list(range(12, 24))) < 1e-3            # sampled
+    assert seed_stats.main([sweep["path"], "--only", "attn,nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: --only nope: not a variant of this sweep (")

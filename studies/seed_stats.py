@@ -1,0 +1,109 @@
+"""Does one variant beat another across seeds (issue 16)? For the finished runs of a sweep, each variant
+at its best lr (ablate.py's selection) and the sweep's selection metric (`select`, else val_acc or
+val_loss):
+- per variant: seeds, mean with a 95% bootstrap interval of the mean, sample std, median, min - max,
+  and (--solved X) how many seeds reach X;
+- per pair of variants: the difference of the means with its 95% bootstrap interval, and a two-sided
+  permutation p-value (how often shuffling the seeds between the two variants gives a difference at
+  least as large; exact over every split when there are at most 200,000, else from 20,000 random ones,
+  as (hits + 1) / 20,001).
+Seeded: the same runs give the same numbers.
+
+    python studies/seed_stats.py sweeps/mqar_key_width.yaml --only kda_k8,gdn_k8,linear_k8 --solved 0.9
+"""
+import argparse
+import itertools
+import math
+import os
+import random
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ablate  # noqa: E402
+from data.tokens import DataError  # noqa: E402
+
+EXACT_LIMIT = 200_000
+
+
+def bootstrap_interval(stat, groups, n=10_000, seed=0):
+    """95% percentile interval of stat(*resampled groups), each group resampled with replacement."""
+    rng = random.Random(seed)
+    draws = sorted(stat(*[rng.choices(g, k=len(g)) for g in groups]) for _ in range(n))
+    return draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
+
+
+def permutation_p(a, b, n=20_000, seed=0):
+    """Two-sided p-value of mean(a) - mean(b) under exchangeable seeds."""
+    pooled, k = a + b, len(a)
+    observed = abs(ablate.mean(a) - ablate.mean(b)) - 1e-12
+    total = sum(pooled)
+
+    def diff(first_sum):
+        return abs(first_sum / k - (total - first_sum) / len(b))
+    if math.comb(len(pooled), k) <= EXACT_LIMIT:
+        return sum(diff(sum(c)) >= observed for c in itertools.combinations(pooled, k)) / math.comb(len(pooled), k)
+    rng = random.Random(seed)                      # sampled: (hits + 1) / (n + 1), never 0
+    return (sum(diff(sum(rng.sample(pooled, k))) >= observed for _ in range(n)) + 1) / (n + 1)
+
+
+def seed_values(sweep, only=None):
+    """{variant: (best lr, [metric of each finished seed; diverged ones left out])}, (metric, higher is better)."""
+    best, metric = ablate.best_runs(sweep, only)
+    out = {v: (lr, [r["final"][metric[0]] for r in runs if r["final"].get(metric[0]) is not None])
+           for v, (lr, runs) in best.items()}
+    out = {v: (lr, xs) for v, (lr, xs) in out.items() if xs}
+    if not out:
+        raise DataError(f"{sweep['out_dir']}: no finished run reports {metric[0]} (all diverged?)")
+    return out, metric
+
+
+def variant_table(values, metric, solved=None):
+    head = ["variant", "seeds", f"mean {metric[0]} [95% interval]", "std", "median", "min - max"]
+    head += [f"seeds >= {solved:g}"] if solved is not None else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, (lr, xs) in values.items():
+        lo, hi = bootstrap_interval(ablate.mean, [xs])
+        cells = [variant, str(len(xs)), f"{ablate.mean(xs):.3f} [{lo:.3f}, {hi:.3f}]", f"{ablate.std(xs):.3f}",
+                 f"{statistics.median(xs):.3f}",
+                 f"{min(xs):.3f} - {max(xs):.3f}"]
+        cells += [f"{sum(x >= solved for x in xs)} / {len(xs)}"] if solved is not None else []
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def pair_table(values, metric):
+    lines = [f"| pair | difference of mean {metric[0]} [95% interval] | permutation p |", "|---|---|---|"]
+    for (a, (_, xa)), (b, (_, xb)) in itertools.combinations(values.items(), 2):
+        lo, hi = bootstrap_interval(lambda x, y: ablate.mean(x) - ablate.mean(y), [xa, xb])
+        lines.append(f"| {a} - {b} | {ablate.mean(xa) - ablate.mean(xb):+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+                     f"{permutation_p(xa, xb):.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep", help="sweep file (its out_dir holds the runs)")
+    p.add_argument("--only", default=None, help="comma-separated variants (default: all with finished runs)")
+    p.add_argument("--solved", type=float, default=None, help="count the seeds whose metric reaches this")
+    args = p.parse_args(argv)
+    try:
+        sweep = ablate.load_sweep(args.sweep)
+        only = args.only and args.only.split(",")
+        unknown = [v for v in only or () if v not in sweep["variants"]]
+        if unknown:
+            raise ValueError(f"--only {','.join(unknown)}: not a variant of this sweep ({', '.join(sweep['variants'])})")
+        values, metric = seed_values(sweep, only)
+    except (ablate.SweepError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(variant_table(values, metric, args.solved))
+    if len(values) > 1:
+        print()
+        print(pair_table(values, metric))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
