@@ -149,12 +149,9 @@ def sparse_checks(device, dry, dtype, limit):
     gen = torch.Generator(device=device).manual_seed(0)
     r = lambda *s: torch.randn(*s, device=device, generator=gen).to(dtype)
     rows = []
-    # DSA: top_k distinct visible keys per query, its own position among them (every row has a key)
-    pick = torch.rand(B, T, T, device=device, generator=gen).masked_fill(
-        torch.ones(T, T, dtype=torch.bool, device=device).triu(1), -1.0)
-    pick.diagonal(dim1=1, dim2=2).fill_(2.0)
-    top = pick.topk(top_k, -1)
-    idx = top.indices.masked_fill(top.values < 0, -1)                 # early queries: -1 padding
+    # DSA: top_k distinct visible keys per query, its own position among them (every row has a key; early
+    # queries padded with -1): NSA's block choice with blocks of one key
+    idx = nsa_blocks(B, T, 1, top_k, 1, device, gen)[:, :, 0]
     Dk = d_c + d_rope
     fn = lambda q, kv, idx, backend: kernels.sparse_mla_attention(q, kv, idx, d_v=d_c, scale=Dk ** -0.5,
                                                                   backend=backend)
