@@ -88,7 +88,40 @@ def test_silu_gate_backward_by_hand_equals_autograd(dtype):
     assert torch.equal(ours, ref) and torch.equal(got, want) and torch.equal(g, g_before)
 
 
-@pytest.mark.parametrize("what", ["rms_norm", "l2_norm", "silu_gate", "rope"])
+def naive_short_conv(past, u, w, doc_pos):
+    """silu(sum_s w[W-1-s] x[t-s]) token by token over x = [past | u], skipping taps that reach before
+    the token's document (doc_pos [T]: position in its document)."""
+    W, T = w.shape[0], u.shape[1]
+    x = torch.cat([past, u], dim=1)
+    rows = []
+    for t in range(T):
+        taps = [w[W - 1 - s] * x[:, W - 1 + t - s] for s in range(W) if doc_pos is None or doc_pos[t] >= s]
+        rows.append(F.silu(sum(taps)))
+    return torch.stack(rows, dim=1)
+
+
+@pytest.mark.parametrize("T,packed", [(11, False), (11, True), (2, False), (1, False)])
+def test_short_conv_by_hand_equals_the_token_loop(T, packed):
+    """ShortConv (taps fused into one buffer, backward by hand) == the token-by-token convolution, forward
+    and the gradients of the past, the inputs and the filter (fp64); T below the filter's width reads the
+    past only; packed documents drop the taps that reach into the previous document."""
+    torch.manual_seed(0)
+    B, C, W = 2, 6, 4
+    past = torch.randn(B, W - 1, C, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(B, T, C, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(W, C, dtype=torch.float64, requires_grad=True)
+    doc_pos = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 5])[:T] if packed else None
+    if packed:
+        past = torch.zeros_like(past, requires_grad=True)                # packed rows start a document
+    g = torch.randn(B, T, C, dtype=torch.float64)
+    ours = M.ShortConv.apply(past, u, w, doc_pos)
+    naive = naive_short_conv(past, u, w, doc_pos)
+    torch.testing.assert_close(ours, naive)
+    for a, b in zip(torch.autograd.grad(ours, (past, u, w), g), torch.autograd.grad(naive, (past, u, w), g)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("what", ["rms_norm", "l2_norm", "silu_gate", "rope", "short_conv"])
 def test_hand_written_functions_compile_without_graph_breaks(what):
     """The autograd Functions on the CPU hot path trace whole under torch.compile (fullgraph=True; aot_eager:
     the capture is what is tested) and give eager's values and gradients (their eager paths write into
@@ -98,7 +131,8 @@ def test_hand_written_functions_compile_without_graph_breaks(what):
     cos, sin = M.rope_angles(torch.arange(5), 8, 10000.0)
     norm = M.RMSNorm(16)
     f = {"rms_norm": norm, "l2_norm": M.l2norm, "silu_gate": M.SiluGate.apply,
-         "rope": lambda x: M.apply_rope(x, cos, sin)}[what]
+         "rope": lambda x: M.apply_rope(x, cos, sin),
+         "short_conv": lambda x: M.short_conv(x[:, :3, 0], x[:, :, 1], x[0, :4, 2], None)}[what]
     g = torch.randn_like(f(x))
     eager = f(x), *torch.autograd.grad(f(x), x, g)
     torch._dynamo.reset()
