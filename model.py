@@ -446,30 +446,20 @@ class Rope(torch.autograd.Function):
         return rotate(g, cos, -sin), None, None
 
 
-class SiluGate(torch.autograd.Function):
-    """silu(gate) * up for h = [gate | up] (one matmul's output, [..., 2H]) with the backward by hand: it
-    keeps only h and (eager) writes both halves of dh into one tensor. Autograd through chunk, silu and
-    the product also kept silu(gate) and concatenated the two halves' gradients (a copy of dh).
+class SiluMul(torch.autograd.Function):
+    """silu(gate) * up with the backward by hand: it keeps gate and up only (autograd also kept
+    silu(gate)) and recomputes silu(gate) in place into d_up.
         d_up = g silu(gate),   d_gate = silu'(gate) g up"""
 
     @staticmethod
-    def forward(ctx, h):
-        ctx.save_for_backward(h)
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)                              # (one [..., H] tensor, not two)
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate).mul_(up)
 
     @staticmethod
     def backward(ctx, g):
-        h, = ctx.saved_tensors
-        gate, up = h.chunk(2, dim=-1)
-        if torch.compiler.is_compiling():                         # out= views are refused; Inductor fuses this
-            return torch.cat([torch.ops.aten.silu_backward(g * up, gate), g * F.silu(gate)], -1)
-        dh = torch.empty_like(h, memory_format=torch.contiguous_format)
-        d_gate, d_up = dh.chunk(2, dim=-1)
-        act = F.silu(gate)
-        torch.mul(g, act, out=d_up)
-        torch.ops.aten.silu_backward.grad_input(torch.mul(g, up, out=act), gate, grad_input=d_gate)
-        return dh
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(g * up, gate), F.silu(gate).mul_(g)
 
 
 def conv_tap(w, s, keep_from, rows=None):
@@ -549,8 +539,9 @@ class SwiGLU(nn.Module):
         self.w2.residual_out = True
 
     def forward(self, x):
-        h = F.linear(x, torch.cat([self.w1.weight, self.w3.weight]))  # [gate | up]: one matmul
-        return self.w2(SiluGate.apply(h))
+        # gate and up as two matmuls: on the CPU 1.07x faster forward + backward than one into [gate | up],
+        # whose halves are strided views (and misaligned when hidden is not a multiple of 16, e.g. 683)
+        return self.w2(SiluMul.apply(self.w1(x), self.w3(x)))
 
 
 class MoE(nn.Module):
@@ -596,7 +587,7 @@ class MoE(nn.Module):
         """The experts' gated activation of gate g and up u."""
         c = self.cfg
         if c.expert_act == "swiglu":
-            return F.silu(g) * u
+            return SiluMul.apply(g, u)
         g, u = g.clamp(max=c.swiglu_limit), u.clamp(-c.swiglu_limit, c.swiglu_limit)  # gpt-oss: clamped,
         return g * torch.sigmoid(c.swiglu_alpha * g) * (u + 1)                  # sigmoid gain, up + 1
 

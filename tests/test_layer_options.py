@@ -74,18 +74,19 @@ def test_rope_backward_is_the_inverse_rotation(fraction, per_row):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_gate_backward_by_hand_equals_autograd(dtype):
-    """SwiGLU's SiluGate (silu(gate) * up of one [gate | up] tensor, backward by hand into one dh) ==
-    autograd through chunk, silu and the product, forward and backward, bit for bit; g left untouched."""
-    h = torch.randn(3, 7, 2 * 24, dtype=dtype, requires_grad=True)
+def test_silu_mul_backward_by_hand_equals_autograd(dtype):
+    """SwiGLU's SiluMul (silu(gate) * up, backward by hand) == autograd through silu and the product,
+    forward and both gradients, bit for bit; g left untouched."""
+    gate = torch.randn(3, 7, 24, dtype=dtype, requires_grad=True)
+    up = torch.randn(3, 7, 24, dtype=dtype, requires_grad=True)
     g = torch.randn(3, 7, 24, dtype=dtype)
     g_before = g.clone()
-    gate, up = h.chunk(2, dim=-1)
+    ours = M.SiluMul.apply(gate, up)
     ref = F.silu(gate) * up
-    ours = M.SiluGate.apply(h)
-    got, = torch.autograd.grad(ours, h, g)
-    want, = torch.autograd.grad(ref, h, g)
-    assert torch.equal(ours, ref) and torch.equal(got, want) and torch.equal(g, g_before)
+    got = torch.autograd.grad(ours, (gate, up), g)
+    want = torch.autograd.grad(ref, (gate, up), g)
+    assert torch.equal(ours, ref) and torch.equal(g, g_before)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def naive_short_conv(past, u, w, doc_pos):
@@ -121,7 +122,7 @@ def test_short_conv_by_hand_equals_the_token_loop(T, packed):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("what", ["rms_norm", "l2_norm", "silu_gate", "rope", "short_conv"])
+@pytest.mark.parametrize("what", ["rms_norm", "l2_norm", "silu_mul", "rope", "short_conv"])
 def test_hand_written_functions_compile_without_graph_breaks(what):
     """The autograd Functions on the CPU hot path trace whole under torch.compile (fullgraph=True; aot_eager:
     the capture is what is tested) and give eager's values and gradients (their eager paths write into
@@ -130,7 +131,7 @@ def test_hand_written_functions_compile_without_graph_breaks(what):
     x = torch.randn(2, 5, 3, 16, requires_grad=True)
     cos, sin = M.rope_angles(torch.arange(5), 8, 10000.0)
     norm = M.RMSNorm(16)
-    f = {"rms_norm": norm, "l2_norm": M.l2norm, "silu_gate": M.SiluGate.apply,
+    f = {"rms_norm": norm, "l2_norm": M.l2norm, "silu_mul": lambda x: M.SiluMul.apply(x, x.flip(-1)),
          "rope": lambda x: M.apply_rope(x, cos, sin),
          "short_conv": lambda x: M.short_conv(x[:, :3, 0], x[:, :, 1], x[0, :4, 2], None)}[what]
     g = torch.randn_like(f(x))
