@@ -115,99 +115,116 @@ def prepare(docs, out, encoding="gpt2", source=None, max_tokens=None, shard_toke
     encoding: a tiktoken name, or an Encoding object (tests build one locally). source: a dict that
     identifies the corpus; a rerun with the same source resumes, with another one is refused."""
     enc = get_encoding(encoding)
-    eot, vocab = eot_of(enc), enc.n_vocab
-    name = encoding if isinstance(encoding, str) else enc.name
-    source = dict(source or {})
-    settings = {"source": source, "tokenizer": name, "vocab_size": vocab, "eot_id": eot,
-                "shard_tokens": shard_tokens, "val_tokens": val_tokens}
+    settings = {"source": dict(source or {}), "tokenizer": encoding if isinstance(encoding, str) else enc.name,
+                "vocab_size": enc.n_vocab, "eot_id": eot_of(enc), "shard_tokens": shard_tokens,
+                "val_tokens": val_tokens}
     os.makedirs(out, exist_ok=True)
+    manifest = _resume(out, settings, max_tokens, quiet)
+    if manifest["complete"] or (max_tokens is not None and manifest["tokens"] >= max_tokens):
+        if not quiet:
+            print(f"{out}: already prepared ({manifest['tokens']:,} tokens in {len(manifest['shards'])} shards)")
+        return manifest
+    writer = _ShardWriter(out, manifest)
+    bar = tqdm(total=max_tokens, initial=manifest["tokens"], unit="tok", unit_scale=True, desc=f"tokenise {out}",
+               disable=quiet, dynamic_ncols=True)
+    encoded = _encoded(docs, manifest["docs_done"], encoding, workers, batch_docs)
+    try:
+        for doc, n_bytes in encoded:
+            writer.add(doc, n_bytes)
+            bar.update(doc.size)
+            if max_tokens is not None and manifest["tokens"] + writer.buffered() >= max_tokens:
+                break
+        else:
+            manifest["complete"] = True  # the source is exhausted
+        writer.flush()
+    finally:
+        encoded.close()  # ends the worker pool
+        bar.close()
+    if not quiet:
+        n_val = sum(s["tokens"] for s in manifest["shards"] if s["file"].startswith("val"))
+        print(f"{out}: {manifest['tokens']:,} tokens ({n_val:,} val) in {len(manifest['shards'])} shards, "
+              f"vocab {enc.n_vocab} ({'uint16' if enc.n_vocab <= 2 ** 16 else 'uint32'}), "
+              f"{manifest['docs_done']:,} documents")
+    return manifest
+
+
+def _resume(out, settings, max_tokens, quiet):
+    """The manifest under `out` (a new one if there is none); a DataError if it was prepared with other
+    settings or lists a shard that is missing."""
     mpath = os.path.join(out, MANIFEST)
-    manifest = {**settings, "docs_done": 0, "tokens": 0, "shards": [], "complete": False}
-    if os.path.exists(mpath):
-        with open(mpath) as f:
-            old = json.load(f)
-        for key, value in settings.items():
-            if old.get(key) != value:
-                raise DataError(f"{out}: already holds a corpus prepared with {key}={old.get(key)!r} (now "
-                                f"{value!r}); use another --out or delete {mpath}")
-        manifest = old
-        for shard in manifest["shards"]:
-            if not os.path.exists(os.path.join(out, shard["file"])):
-                raise DataError(f"{out}: {shard['file']} is listed in {MANIFEST} but missing; delete {mpath} "
-                                f"and the shards to prepare again")
-        limit_reached = max_tokens is not None and manifest["tokens"] >= max_tokens
-        if manifest["complete"] or limit_reached:
-            if not quiet:
-                print(f"{out}: already prepared ({manifest['tokens']:,} tokens in {len(manifest['shards'])} shards)")
-            return manifest
-        if not quiet and manifest["shards"]:
-            print(f"{out}: resuming after {len(manifest['shards'])} finished shards "
-                  f"({manifest['docs_done']:,} documents)")
+    if not os.path.exists(mpath):
+        return {**settings, "docs_done": 0, "tokens": 0, "shards": [], "complete": False}
+    with open(mpath) as f:
+        manifest = json.load(f)
+    for key, value in settings.items():
+        if manifest.get(key) != value:
+            raise DataError(f"{out}: already holds a corpus prepared with {key}={manifest.get(key)!r} (now "
+                            f"{value!r}); use another --out or delete {mpath}")
+    for shard in manifest["shards"]:
+        if not os.path.exists(os.path.join(out, shard["file"])):
+            raise DataError(f"{out}: {shard['file']} is listed in {MANIFEST} but missing; delete {mpath} "
+                            f"and the shards to prepare again")
+    unfinished = not manifest["complete"] and (max_tokens is None or manifest["tokens"] < max_tokens)
+    if not quiet and unfinished and manifest["shards"]:
+        print(f"{out}: resuming after {len(manifest['shards'])} finished shards ({manifest['docs_done']:,} documents)")
+    return manifest
 
-    def n_split(split):
-        return sum(s["file"].startswith(split) for s in manifest["shards"])
 
-    buf, buf_bytes, buf_docs = [], 0, 0
-    split = "val" if val_tokens > 0 and n_split("val") == 0 else "train"
-
-    def flush():
-        nonlocal buf, buf_bytes, buf_docs, split
-        tokens = np.concatenate(buf) if buf else np.zeros(0, dtype=np.uint32)
-        file = f"{split}_{n_split(split):03d}.bin"
-        write_tokens(os.path.join(out, file), tokens, vocab, buf_bytes, eot)
-        manifest["shards"].append({"file": file, "tokens": int(tokens.size), "text_bytes": buf_bytes,
-                                   "docs": buf_docs})
-        manifest["docs_done"] += buf_docs
-        manifest["tokens"] += int(tokens.size)
-        write_json(mpath, manifest)
-        buf, buf_bytes, buf_docs, split = [], 0, 0, "train"
-
-    def buffered():
-        return sum(b.size for b in buf)
-
-    skip = manifest["docs_done"]
+def _encoded(docs, skip, encoding, workers, batch_docs):
+    """(tokens + eot, utf-8 bytes) of every document of `docs` after the first `skip`, tokenised in
+    batches by a pool of `workers` processes (default: one per CPU; 1: in this process)."""
     batches = _batched(itertools.islice(docs, skip, None), batch_docs)
     workers = os.cpu_count() if workers is None else workers
     pool = Pool(workers, initializer=_init_worker, initargs=(encoding,)) if workers > 1 else None
     if pool is None:
-        _init_worker(enc)
-    results = pool.imap(_encode_batch, batches) if pool else map(_encode_batch, batches)
-    bar = tqdm(total=max_tokens, initial=manifest["tokens"], unit="tok", unit_scale=True, desc=f"tokenise {out}",
-               disable=quiet, dynamic_ncols=True)
-    done = False
+        _init_worker(encoding)
     try:
-        for flat, lengths, n_bytes in results:
+        for flat, lengths, n_bytes in (pool.imap(_encode_batch, batches) if pool else map(_encode_batch, batches)):
             starts = np.concatenate([[0], np.cumsum(lengths)])
             for i in range(len(lengths)):
-                doc = flat[starts[i]:starts[i + 1]]
-                limit = val_tokens if split == "val" else shard_tokens
-                if split == "train" and buf and buffered() + doc.size > limit:
-                    flush()  # a train shard ends before the document that would overflow it
-                buf.append(doc)
-                buf_bytes += int(n_bytes[i])
-                buf_docs += 1
-                bar.update(doc.size)
-                if split == "val" and buffered() >= val_tokens:
-                    flush()  # the val shard ends after the document that reaches val_tokens
-                if max_tokens is not None and manifest["tokens"] + buffered() >= max_tokens:
-                    done = True
-                    break
-            if done:
-                break
-        if buf:
-            flush()
-        if not done:
-            manifest["complete"] = True  # the source is exhausted
-        write_json(mpath, manifest)
+                yield flat[starts[i]:starts[i + 1]], int(n_bytes[i])
     finally:
-        bar.close()
         if pool is not None:
             pool.terminate()
-    if not quiet:
-        n_val = sum(s["tokens"] for s in manifest["shards"] if s["file"].startswith("val"))
-        print(f"{out}: {manifest['tokens']:,} tokens ({n_val:,} val) in {len(manifest['shards'])} shards, "
-              f"vocab {vocab} ({'uint16' if vocab <= 2 ** 16 else 'uint32'}), {manifest['docs_done']:,} documents")
-    return manifest
+
+
+class _ShardWriter:
+    """Collects whole documents into shards: first one val shard (until val_tokens; it ends after the
+    document that reaches them), then train shards of at most shard_tokens (each ends before the document
+    that would overflow it). Every shard written is added to the manifest, which is rewritten then."""
+
+    def __init__(self, out, manifest):
+        self.out, self.manifest = out, manifest
+        self.buf, self.bytes, self.docs = [], 0, 0
+        self.split = "val" if manifest["val_tokens"] > 0 and self.n_shards("val") == 0 else "train"
+
+    def n_shards(self, split):
+        return sum(s["file"].startswith(split) for s in self.manifest["shards"])
+
+    def buffered(self):
+        return sum(b.size for b in self.buf)
+
+    def add(self, doc, n_bytes):
+        if self.split == "train" and self.buf and self.buffered() + doc.size > self.manifest["shard_tokens"]:
+            self.flush()
+        self.buf.append(doc)
+        self.bytes += n_bytes
+        self.docs += 1
+        if self.split == "val" and self.buffered() >= self.manifest["val_tokens"]:
+            self.flush()
+
+    def flush(self):
+        """Write the buffered documents as the next shard (nothing if none are buffered) and the manifest."""
+        m = self.manifest
+        if self.buf:
+            tokens = np.concatenate(self.buf)
+            file = f"{self.split}_{self.n_shards(self.split):03d}.bin"
+            write_tokens(os.path.join(self.out, file), tokens, m["vocab_size"], self.bytes, m["eot_id"])
+            m["shards"].append({"file": file, "tokens": int(tokens.size), "text_bytes": self.bytes, "docs": self.docs})
+            m["docs_done"] += self.docs
+            m["tokens"] += int(tokens.size)
+            self.buf, self.bytes, self.docs, self.split = [], 0, 0, "train"
+        write_json(os.path.join(self.out, MANIFEST), m)
 
 
 def file_docs(pattern):
