@@ -414,8 +414,8 @@ def apply_rope(x, cos, sin):
 def rotate(x, cos, sin):
     """[x1 cos - x2 sin, x2 cos + x1 sin, rest] (x1, x2: the halves of the first R dims), computed in
     fp32, returned in x's dtype. Eager: x [c, c] over whole rows into one output, then a fused
-    multiply-add per half (no swapped copy of x: about 2x faster on the CPU than x c + swap(x) s; the
-    whole-row multiply is 1.35x faster than one per half, whose inner loops are only R/2 long).
+    multiply-add per half (no swapped copy of x: about 2x faster on the CPU than x c + swap(x) s; and
+    1.3x faster than a multiply per half, whose inner loops are only R/2 long).
     Under torch.compile (which refuses out= views) the formula, which Inductor fuses."""
     r = cos.shape[-1]
     xf = x.float()
@@ -512,7 +512,7 @@ class ShortConv(torch.autograd.Function):
                 dpast[:, W - 1 - s:W - 1 - s + n].addcmul_(gp[:, :n], conv_tap(w, s, None))
             if dw is not None:
                 prod = torch.mul(gp[:, s:], u[:, :m], out=buf[:B * m * C].view(B, m, C))
-                if doc_pos is not None:
+                if s and doc_pos is not None:
                     prod.mul_((doc_pos[s:] >= s)[:, None].to(prod.dtype))
                 dws = prod.view(-1, C).sum(0)
                 if s and doc_pos is None:
@@ -896,7 +896,9 @@ class DeltaNet(nn.Module):
             past = u.new_zeros(u.shape[0], width - 1, u.shape[2])
         else:
             past = cache.conv.to(u.dtype, copy=True)                        # (updated below)
-        w = self.conv.to(u.dtype).t().contiguous()                         # [width, C]: the last tap is now
+        # w [width, C], the last tap is now; contiguous rows (a strided column of [C, width] made each
+        # tap's multiply ~3x slower)
+        w = self.conv.to(u.dtype).t().contiguous()
         y = short_conv(past, u, w, doc_pos)                                 # [B, T, C]
         if cache is not None:
             cache.conv.copy_(torch.cat([past, u], dim=1)[:, -(width - 1):])
