@@ -3,6 +3,9 @@ at its best lr (ablate.py's selection) and the sweep's selection metric (`select
 val_loss):
 - per variant: seeds, mean with a 95% bootstrap interval of the mean, sample std, median, min - max,
   and (--solved X) how many seeds reach X;
+- --metric NAME compares another number of each run's final record instead, still at the best lr of the
+  selection metric: `step` is where the run stopped, so with `stop_at` it is the steps each seed took to
+  solve the task, counted as the step cap where it did not (a censored time to solve);
 - per pair of variants: the difference of the means with its 95% bootstrap interval, and a two-sided
   permutation p-value (how often shuffling the seeds between the two variants gives a difference at
   least as large; exact over every split when there are at most 200,000, else from 20,000 random ones,
@@ -10,6 +13,7 @@ val_loss):
 Seeded: the same runs give the same numbers.
 
     python studies/seed_stats.py sweeps/mqar_key_width.yaml --only kda_k8,gdn_k8,linear_k8 --solved 0.9
+    python studies/seed_stats.py sweeps/mqar_ladder256.yaml --only kda,gdn,linear --metric step
 """
 import argparse
 import itertools
@@ -48,9 +52,12 @@ def permutation_p(a, b, n=20_000, seed=0):
     return (sum(diff(sum(rng.sample(pooled, k))) >= observed for _ in range(n)) + 1) / (n + 1)
 
 
-def seed_values(sweep, only=None):
-    """{variant: (best lr, [metric of each finished seed; diverged ones left out])}, (metric, higher is better)."""
+def seed_values(sweep, only=None, name=None):
+    """{variant: (best lr, [value of each finished seed; diverged ones left out])}, (name, higher is better):
+    the value is the selection metric, or the final record's `name` (any number in it, e.g. step)."""
     best, metric = ablate.best_runs(sweep, only)
+    if name is not None and name != metric[0]:
+        metric = (name, name.endswith("acc"))
     out = {v: (lr, [r["final"][metric[0]] for r in runs if r["final"].get(metric[0]) is not None])
            for v, (lr, runs) in best.items()}
     out = {v: (lr, xs) for v, (lr, xs) in out.items() if xs}
@@ -87,6 +94,9 @@ def main(argv=None):
     p.add_argument("sweep", help="sweep file (its out_dir holds the runs)")
     p.add_argument("--only", default=None, help="comma-separated variants (default: all with finished runs)")
     p.add_argument("--solved", type=float, default=None, help="count the seeds whose metric reaches this")
+    p.add_argument("--metric", default=None,
+                   help="a number of the runs' final record to compare (default: the selection metric; step: "
+                        "steps to the stop)")
     args = p.parse_args(argv)
     try:
         sweep = ablate.load_sweep(args.sweep)
@@ -94,7 +104,7 @@ def main(argv=None):
         unknown = [v for v in only or () if v not in sweep["variants"]]
         if unknown:
             raise ValueError(f"--only {','.join(unknown)}: not a variant of this sweep ({', '.join(sweep['variants'])})")
-        values, metric = seed_values(sweep, only)
+        values, metric = seed_values(sweep, only, args.metric)
     except (ablate.SweepError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

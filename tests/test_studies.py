@@ -183,7 +183,8 @@ def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
             d = ablate.run_dir(sweep, variant, seed, lr)
             os.makedirs(d)
             with open(os.path.join(d, "result.json"), "w") as f:
-                json.dump({"variant": variant, "seed": seed, "lr": lr, "final": {"step": 10, "val_acc": acc}}, f)
+                json.dump({"variant": variant, "seed": seed, "lr": lr,
+                       "final": {"step": 10 if acc > 0.5 else 30 + seed, "val_acc": acc}}, f)
     assert seed_stats.main([sweep["path"], "--solved", "0.92"]) == 0
     out = capsys.readouterr().out
     row = re.search(r"\| attn \| 3 \| 0\.950 \[(\S+), (\S+)\] \| 0\.050 \| 0\.950 \| 0\.900 - 1\.000 \| 2 / 3 \|", out)
@@ -193,5 +194,12 @@ def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
     assert re.search(r"\| attn - low \| \+0\.750 \[\+0\.6\d\d, \+0\.8\d\d\] \| 0\.100 \|", out)
     assert seed_stats.permutation_p([1.0] * 10, [0.0] * 10) == 2 / math.comb(20, 10)          # exact
     assert seed_stats.permutation_p(list(range(12)), list(range(12, 24))) < 1e-3            # sampled
+    # another number of the final record, at the best lr of the selection metric (1e-3 for attn)
+    assert seed_stats.main([sweep["path"], "--only", "attn,low", "--metric", "step"]) == 0
+    out = capsys.readouterr().out
+    assert "| attn | 3 | 10.000 [10.000, 10.000] |" in out and "| low | 3 | 31.000 [" in out
+    assert re.search(r"\| attn - low \| -21\.000 \[-22\.000, -20\.000\] \| 0\.100 \|", out), out
+    assert seed_stats.main([sweep["path"], "--metric", "val_lost"]) == 2
+    assert "no finished run reports val_lost" in capsys.readouterr().err
     assert seed_stats.main([sweep["path"], "--only", "attn,nope"]) == 2
     assert capsys.readouterr().err.startswith("error: --only nope: not a variant of this sweep (")
