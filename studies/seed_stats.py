@@ -57,6 +57,10 @@ def seed_values(sweep, only=None, name=None):
     the value is the selection metric, or the final record's `name` (any number in it, e.g. step)."""
     best, metric = ablate.best_runs(sweep, only)
     if name is not None and name != metric[0]:
+        keys = sorted({k for _, runs in best.values() for r in runs for k, x in r["final"].items()
+                       if isinstance(x, (int, float))})
+        if name not in keys:
+            raise DataError(f"--metric {name}: not a number of the runs' final records (they have: {', '.join(keys)})")
         metric = (name, name.endswith("acc"))
     out = {v: (lr, [r["final"][metric[0]] for r in runs if r["final"].get(metric[0]) is not None])
            for v, (lr, runs) in best.items()}

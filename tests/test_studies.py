@@ -200,6 +200,7 @@ def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
     assert "| attn | 3 | 10.000 [10.000, 10.000] |" in out and "| low | 3 | 31.000 [" in out
     assert re.search(r"\| attn - low \| -21\.000 \[-22\.000, -20\.000\] \| 0\.100 \|", out), out
     assert seed_stats.main([sweep["path"], "--metric", "val_lost"]) == 2
-    assert "no finished run reports val_lost" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == ("error: --metric val_lost: not a number of the runs' final "
+                                               "records (they have: step, val_acc)")
     assert seed_stats.main([sweep["path"], "--only", "attn,nope"]) == 2
     assert capsys.readouterr().err.startswith("error: --only nope: not a variant of this sweep (")
