@@ -195,19 +195,20 @@ class _ShardWriter:
 
     def __init__(self, out, manifest):
         self.out, self.manifest = out, manifest
-        self.buf, self.bytes, self.docs = [], 0, 0
+        self.buf, self.tokens, self.bytes, self.docs = [], 0, 0, 0
         self.split = "val" if manifest["val_tokens"] > 0 and self.n_shards("val") == 0 else "train"
 
     def n_shards(self, split):
         return sum(s["file"].startswith(split) for s in self.manifest["shards"])
 
     def buffered(self):
-        return sum(b.size for b in self.buf)
+        return self.tokens
 
     def add(self, doc, n_bytes):
         if self.split == "train" and self.buf and self.buffered() + doc.size > self.manifest["shard_tokens"]:
             self.flush()
         self.buf.append(doc)
+        self.tokens += doc.size
         self.bytes += n_bytes
         self.docs += 1
         if self.split == "val" and self.buffered() >= self.manifest["val_tokens"]:
@@ -223,7 +224,7 @@ class _ShardWriter:
             m["shards"].append({"file": file, "tokens": int(tokens.size), "text_bytes": self.bytes, "docs": self.docs})
             m["docs_done"] += self.docs
             m["tokens"] += int(tokens.size)
-            self.buf, self.bytes, self.docs, self.split = [], 0, 0, "train"
+            self.buf, self.tokens, self.bytes, self.docs, self.split = [], 0, 0, 0, "train"
         write_json(os.path.join(self.out, MANIFEST), m)
 
 
