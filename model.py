@@ -901,7 +901,7 @@ class DeltaNet(nn.Module):
         w = self.conv.to(u.dtype).t().contiguous()
         y = short_conv(past, u, w, doc_pos)                                 # [B, T, C]
         if cache is not None:
-            cache.conv.copy_(torch.cat([past, u], dim=1)[:, -(width - 1):])
+            cache.conv.copy_(torch.cat([past, u[:, -(width - 1):]], dim=1)[:, -(width - 1):])  # last inputs
         return y
 
     def forward(self, x, cache=None, pos=0, cu_seqlens=None, cp=None):
