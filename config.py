@@ -26,10 +26,10 @@ STOP_METRICS = ("val_acc", "val_loss", "val_bpb")  # train.stop_at keys: *_acc m
 
 @dataclass
 class DataConfig:
-    kind: str = "stdlib"                # stdlib (embedded corpus), bin (prepared shards), mqar, palindrome, stack
+    kind: str = "stdlib"                # stdlib (embedded corpus), bin (prepared shards), mqar, palindrome, stack, backcopy
     dir: Optional[str] = None           # bin: folder of train_*.bin / val_*.bin; stdlib: cache folder
     n_pairs: int = 8                    # mqar: key-value pairs per sequence
-    mqar_vocab: Optional[int] = None    # mqar, palindrome, stack: tokens used (null = model.vocab_size)
+    mqar_vocab: Optional[int] = None    # mqar, palindrome, stack, backcopy: tokens used (null = model.vocab_size)
     pack: bool = False                  # stdlib/bin: rows of whole documents, boundaries to the model
     bos: bool = False                   # stdlib/bin: every row starts with the end-of-text token (a BOS at
     #                                     position 0 of every row, train and eval; the attention-sink study)

@@ -198,7 +198,7 @@ def eval_needle(model, cfg, factors=(1, 2, 4), depths=(0.0, 0.25, 0.5, 0.75, 1.0
     length (so longer than every window and than training). MQAR models: the synthetic-vocab needle
     (_needle_mqar); byte-level text models: "The secret number is 48213." (_needle_text)."""
     contexts = [int(f * cfg.train.seq_len) for f in factors]
-    if cfg.data.kind in ("palindrome", "stack"):
+    if not _is_text(cfg) and cfg.data.kind != "mqar":
         raise ValueError(f"needle: defined for text and MQAR models, not data.kind={cfg.data.kind}")
     fn = _needle_text if _is_text(cfg) else _needle_mqar
     grid = fn(model, cfg, contexts, depths, n_trials, seed)
@@ -601,9 +601,11 @@ def check_options(name, options, cfg=None):
                              f"streaming; got {small[0]})")
     if cfg is not None and name in ("palindrome", "stack") and cfg.data.kind != name:
         raise ValueError(f"evals.{name}: the model was trained on data.kind={cfg.data.kind}, not {name}")
-    if cfg is not None and name == "mqar" and _is_text(cfg):
-        raise ValueError(f"evals.mqar: the checkpoint was trained on data.kind {cfg.data.kind}, not mqar; "
-                         f"use val, needle, length or streaming")
+    if cfg is not None and name == "mqar" and cfg.data.kind != "mqar":
+        use = ("val, needle, length or streaming" if _is_text(cfg) else
+               f"val, length, streaming{', ' + cfg.data.kind if cfg.data.kind in ('palindrome', 'stack') else ''} "
+               f"or attention_sinks")
+        raise ValueError(f"evals.mqar: the checkpoint was trained on data.kind {cfg.data.kind}, not mqar; use {use}")
 
 
 def run_eval(name, model, cfg, options=None):

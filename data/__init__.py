@@ -1,5 +1,5 @@
 """Training data: token files (tokens.py), the embedded standard-library corpus (stdlib.py),
-synthetic MQAR (mqar.py), Palindrome and Stack (tasks.py), real corpora through Hugging Face datasets + tiktoken (prepare.py).
+synthetic MQAR (mqar.py), Palindrome, Stack and Bigram-Backcopy (tasks.py), real corpora through Hugging Face datasets + tiktoken (prepare.py).
 
 make_dataset(cfg) gives the object train.py uses: next_batch() -> (x, y), or (x, y, cu_seqlens) with
 data.pack (packed documents, x and y [1, B*T]), evaluate(model), state_dict() / load_state_dict()
@@ -10,10 +10,10 @@ import math
 import torch
 
 from data.mqar import mqar_accuracy, mqar_batch, mqar_mix_batch
-from data.tasks import palindrome_batch, stack_batch
+from data.tasks import backcopy_batch, palindrome_batch, stack_batch
 from data.tokens import DataError, PackedLoader, TokenLoader, open_split
 
-SYNTHETIC_KINDS = ("mqar", "palindrome", "stack")  # generated on the fly; eval reports val_acc
+SYNTHETIC_KINDS = ("mqar", "palindrome", "stack", "backcopy")  # generated on the fly; eval reports val_acc
 
 
 class TextData:
@@ -55,13 +55,13 @@ class TextData:
 
 
 def synthetic_batches(d, vocab, seq_len, train=False):
-    """make(n, seed) -> x, y [n, seq_len] for a synthetic data kind (mqar, palindrome, stack);
+    """make(n, seed) -> x, y [n, seq_len] for a synthetic data kind (mqar, palindrome, stack, backcopy);
     train=True: MQAR draws from data.mqar_mix when it is set."""
     if d.kind == "mqar" and train and d.mqar_mix:
         return lambda n, seed: mqar_mix_batch(n, seq_len, d.mqar_mix, vocab, seed)
     if d.kind == "mqar":
         return lambda n, seed: mqar_batch(n, seq_len, d.n_pairs, vocab, seed)[:2]
-    fn = {"palindrome": palindrome_batch, "stack": stack_batch}[d.kind]
+    fn = {"palindrome": palindrome_batch, "stack": stack_batch, "backcopy": backcopy_batch}[d.kind]
     return lambda n, seed: fn(n, seq_len, vocab, seed)
 
 

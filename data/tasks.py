@@ -12,12 +12,22 @@ where the answer is determined, and accuracy is data.mqar.mqar_accuracy over the
 Kimi Linear (2025, synthetic tests, fig. 4) trains these at lengths 256-2048; its generators are not
 public and its Stack tracks several stacks at once, as we read the report (not checked word for word
 offline). Here: the textbook forms above, one stack; seq_len and vocab are the difficulty knobs.
+
+And one task for the attention-sink study (issue 16), not Kimi Linear's:
+
+    backcopy    Bigram-Backcopy (Guo et al. 2024, "Active-dormant attention heads"): BOS, then a walk on
+                a fixed sparse Markov chain, except that the token after a trigger token repeats the
+                token before the trigger. A head that copies is needed only after triggers and idle
+                (dormant) everywhere else; every position is labelled with its next token.
 """
 import numpy as np
 import torch
 
 SEP = 1   # palindrome separator
 POP = 1   # stack: the pop operation
+BOS = 0   # backcopy: position 0 of every sequence
+TRIGGERS = 3  # backcopy: tokens 1..3 are the triggers
+SUCCESSORS = 4  # backcopy: each token is followed by one of 4 fixed successors (ln 4 nats unpredictable)
 
 
 def _vocab_check(task, vocab_size, need):
@@ -59,4 +69,38 @@ def stack_batch(batch_size, seq_len, vocab_size, seed, p_push=0.5):
                 x[b, t] = vals[b, t]
             else:
                 x[b, t], y[b, t] = POP, stack.pop()
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def backcopy_chain(vocab_size):
+    """The fixed Markov chain of backcopy at this vocab: [vocab, SUCCESSORS] successors of every token
+    (row BOS unused), distinct tokens from 1..vocab-1 drawn with probability 1/token (Zipf: the low
+    tokens, the triggers among them, are frequent; about 31% of positions at vocab 64, as Guo et al. pick
+    their triggers among the most frequent tokens), from a generator seeded by the vocab alone."""
+    rng = np.random.default_rng([2024, vocab_size])
+    tokens = np.arange(1, vocab_size)
+    p = 1.0 / tokens
+    succ = np.zeros((vocab_size, SUCCESSORS), dtype=np.int64)
+    for t in range(1, vocab_size):
+        succ[t] = rng.choice(tokens, SUCCESSORS, replace=False, p=p / p.sum())
+    return succ
+
+
+def backcopy_batch(batch_size, seq_len, vocab_size, seed):
+    """-> inputs [B, T], targets [B, T] (the inputs shifted by one; every position labelled): BOS, a
+    first token from the non-triggers, then each next token is one of the current token's SUCCESSORS
+    (uniformly), or, when the current token is a trigger (1..TRIGGERS), the token before it."""
+    _vocab_check("backcopy", vocab_size, TRIGGERS + SUCCESSORS + 2)
+    succ = backcopy_chain(vocab_size)
+    rng = np.random.default_rng(seed)
+    full = np.empty((batch_size, seq_len + 1), dtype=np.int64)
+    full[:, 0] = BOS
+    if seq_len >= 1:
+        full[:, 1] = rng.integers(TRIGGERS + 1, vocab_size, size=batch_size)
+    picks = rng.integers(0, SUCCESSORS, size=(batch_size, seq_len + 1))
+    rows = np.arange(batch_size)
+    for t in range(1, seq_len):
+        cur = full[:, t]
+        full[:, t + 1] = np.where(cur <= TRIGGERS, full[:, t - 1], succ[cur, picks[rows, t]])
+    x, y = full[:, :seq_len].copy(), full[:, 1:].copy()
     return torch.from_numpy(x), torch.from_numpy(y)

@@ -1,5 +1,5 @@
-"""Palindrome and Stack (data/tasks.py): labels against a token-by-token reading of the inputs, the
-data kinds through make_dataset and train.py (the loss falls), the evals, train.stop_at."""
+"""Palindrome, Stack and Bigram-Backcopy (data/tasks.py): labels against a token-by-token reading of the
+inputs, the data kinds through make_dataset and train.py (the loss falls), the evals, train.stop_at."""
 import json
 import math
 import os
@@ -10,7 +10,7 @@ import torch
 import evals
 from config import from_raw
 from data import make_dataset
-from data.tasks import POP, SEP, palindrome_batch, stack_batch
+from data.tasks import BOS, POP, SEP, TRIGGERS, backcopy_batch, backcopy_chain, palindrome_batch, stack_batch
 from model import ConfigError, GPT
 from train import train
 
@@ -46,6 +46,47 @@ def test_stack_labels_follow_a_stack_read_from_the_inputs():
                 assert 2 <= x[b, t] < 9 and y[b, t] == -1
                 stack.append(x[b, t].item())
     assert 300 < n_pops < 400          # about half the operations pop
+
+
+def test_backcopy_walks_its_chain_and_copies_after_triggers():
+    """BOS first; after a trigger the token before it, elsewhere one of the current token's fixed successors;
+    the targets are the inputs shifted by one; the chain depends on the vocab only."""
+    V, T = 64, 300
+    x, y = backcopy_batch(6, T, V, seed=[3, 4])
+    succ = backcopy_chain(V)
+    assert (x[:, 0] == BOS).all() and (x[:, 1:] != BOS).all() and (x[:, 1] > TRIGGERS).all()
+    assert torch.equal(y[:, :-1], x[:, 1:]) and (y >= 1).all()
+    copies = 0
+    for b in range(6):
+        for t in range(1, T):
+            if x[b, t] <= TRIGGERS:
+                assert y[b, t] == x[b, t - 1]
+                copies += 1
+            else:
+                assert y[b, t].item() in succ[x[b, t]].tolist()
+    assert 0.2 < copies / (6 * (T - 1)) < 0.45          # the triggers are frequent (Zipf successors)
+    assert torch.equal(backcopy_batch(2, 50, V, [1])[0], backcopy_batch(2, 50, V, [1])[0])
+    assert (backcopy_chain(V) == succ).all() and not (backcopy_chain(V + 1)[1:V] == succ[1:]).all()
+    with pytest.raises(ValueError, match="backcopy: needs a vocab of at least 9"):
+        backcopy_batch(1, 8, 8, 0)
+
+
+def test_backcopy_trains_and_the_sink_study_reads_it(tmp_path):
+    cfg = task_config("backcopy", tmp_path, vocab=16, seq_len=32)
+    final = train(cfg, quiet=True)
+    losses = [json.loads(line)["loss"] for line in open(os.path.join(tmp_path, "metrics.jsonl")) if '"loss"' in line]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert final["val_loss"] < math.log(15) - 0.5
+    model = GPT(cfg.model).eval()
+    sinks = evals.run_eval("attention_sinks", model, cfg, {"n_seqs": 2})
+    assert 0 <= sinks["key0_L0"] <= 1 and sinks["uniform"] > 0
+    stream = evals.run_eval("streaming", model, cfg, {"factor": 2, "budget": 8, "n_sinks": 2, "n_seqs": 2})
+    assert all(1 < stream[k] < 100 for k in ("ppl_full", "ppl_window", "ppl_sinks+window"))
+    with pytest.raises(ValueError, match="evals.mqar: the checkpoint was trained on data.kind backcopy, not mqar; "
+                                         "use val, length, streaming or attention_sinks"):
+        evals.run_eval("mqar", model, cfg, {})
+    with pytest.raises(ValueError, match="needle: defined for text and MQAR models, not data.kind=backcopy"):
+        evals.run_eval("needle", model, cfg, {})
 
 
 def task_config(kind, out_dir, vocab=16, seq_len=16, **train_kw):
