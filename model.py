@@ -335,8 +335,8 @@ class ScaleNorm(torch.autograd.Function):
     g^ = g w and dot = sum(g^ x) per row (so sum(g^ x^) = r dot):
         dx = r (g^ - x^ sum(g^ x^) / n) = (g^ + x c) r,   c = -r^2 dot / n   [..., 1]
         dw = sum over rows of g x^ = r^T (g x)   (a matrix-vector product over the rows)
-    Three passes write x-sized tensors (g x, g w, then x c and r added into g w in place): 2.5x faster
-    than forming x^ first on the CPU (the sum over rows as a strided reduction was a fifth of it)."""
+    Three passes write x-sized tensors (g x, g w, then x c and r applied to g w in place), and no sum runs
+    down the rows as a strided reduction: forward + backward at [8, 256, 256] on the CPU 2.6-3.1 -> 2.0 ms."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, n):
