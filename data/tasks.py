@@ -20,6 +20,8 @@ And one task for the attention-sink study (issue 16), not Kimi Linear's:
                 token before the trigger. A head that copies is needed only after triggers and idle
                 (dormant) everywhere else; every position is labelled with its next token.
 """
+import functools
+
 import numpy as np
 import torch
 
@@ -72,17 +74,20 @@ def stack_batch(batch_size, seq_len, vocab_size, seed, p_push=0.5):
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
+@functools.lru_cache(maxsize=None)
 def backcopy_chain(vocab_size):
     """The fixed Markov chain of backcopy at this vocab: [vocab, SUCCESSORS] successors of every token
     (row BOS unused), distinct tokens from 1..vocab-1 drawn with probability 1/token (Zipf: the low
     tokens, the triggers among them, are frequent; about 31% of positions at vocab 64, as Guo et al. pick
-    their triggers among the most frequent tokens), from a generator seeded by the vocab alone."""
+    their triggers among the most frequent tokens), from a generator seeded by the vocab alone. Built once
+    per vocab (cached, read-only): every batch walks the same chain."""
     rng = np.random.default_rng([2024, vocab_size])
     tokens = np.arange(1, vocab_size)
     p = 1.0 / tokens
     succ = np.zeros((vocab_size, SUCCESSORS), dtype=np.int64)
     for t in range(1, vocab_size):
         succ[t] = rng.choice(tokens, SUCCESSORS, replace=False, p=p / p.sum())
+    succ.flags.writeable = False
     return succ
 
 
