@@ -245,14 +245,21 @@ def eval_length(model, cfg, factor=4, n_seqs=16, n_buckets=16, seed=13):
 # StreamingLLM eviction
 
 
-def _streaming_attention(mixer, x, cache, budget, n_sinks):
+def global_layers(model):
+    """Indices of the global softmax attention layers (kind attn without a window)."""
+    return [i for i, b in enumerate(model.blocks) if isinstance(b.mixer, Attention) and b.mixer.cfg.window is None]
+
+
+def _streaming_attention(mixer, x, cache, budget, n_sinks, keep_heads=None):
     """One decode step of a global Attention layer with an evicting cache.
 
     cache: dict with pre-RoPE keys k and values v [B, S, Hkv, D]. The new token's key joins the cache;
     if the cache then holds more than `budget` keys, the oldest are dropped, keeping the first
     `n_sinks` (StreamingLLM's attention sinks; 0 = window only). Keys are rotated at their positions
     inside the cache, 0..n, the query at n (its own slot), so positions never exceed the budget.
-    budget None = keep everything (positions are then the absolute ones: the model's own decode)."""
+    budget None = keep everything (positions are then the absolute ones: the model's own decode).
+    keep_heads (bool [Hq], with a budget): only these query heads keep the n_sinks first tokens (and
+    budget - n_sinks recent keys); the others see the most recent `budget` keys alone."""
     c = mixer.cfg
     B = x.shape[0]
     q = mixer.wq(x).view(B, 1, c.n_heads, c.head_dim)
@@ -262,25 +269,43 @@ def _streaming_attention(mixer, x, cache, budget, n_sinks):
         q, k = mixer.q_norm(q), mixer.k_norm(k)
     cache["k"] = torch.cat([cache["k"], k], 1)
     cache["v"] = torch.cat([cache["v"], v], 1)
-    S = cache["k"].shape[1]
-    if budget is not None and S > budget:
-        keep = list(range(n_sinks)) + list(range(S - (budget - n_sinks), S))
-        cache["k"], cache["v"] = cache["k"][:, keep], cache["v"][:, keep]
-        S = budget
-    k_all = cache["k"]
-    if c.rope:
-        cos, sin = rope_angles(torch.arange(S, device=x.device), c.head_dim, c.rope_theta)
-        k_all = apply_rope(k_all, cos, sin)
-        q = apply_rope(q, cos[-1:], sin[-1:])
-    o = kernels.attention(q, k_all, cache["v"], sinks=mixer.sinks, backend=mixer.backend)
+    if budget is None:
+        return mixer.wo(_attend_cached(mixer, q, cache["k"], cache["v"]).reshape(B, 1, -1))
+    if keep_heads is None:
+        cache["k"], cache["v"] = _evict(cache["k"], budget, n_sinks), _evict(cache["v"], budget, n_sinks)
+        return mixer.wo(_attend_cached(mixer, q, cache["k"], cache["v"]).reshape(B, 1, -1))
+    # the cache holds the first n_sinks tokens and the last `budget` keys: each head set reads its part
+    cache["k"], cache["v"] = _evict(cache["k"], budget + n_sinks, n_sinks), _evict(cache["v"], budget + n_sinks, n_sinks)
+    o_sinks = _attend_cached(mixer, q, _evict(cache["k"], budget, n_sinks), _evict(cache["v"], budget, n_sinks))
+    o_window = _attend_cached(mixer, q, cache["k"][:, -budget:], cache["v"][:, -budget:])
+    o = torch.where(keep_heads.to(x.device)[:, None], o_sinks, o_window)          # [B, 1, Hq, D]
     return mixer.wo(o.reshape(B, 1, -1))
 
 
+def _evict(t, budget, n_sinks):
+    """The first n_sinks and the last budget - n_sinks rows of t [B, S, ...] (all of t if S <= budget)."""
+    S = t.shape[1]
+    return t if S <= budget else torch.cat([t[:, :n_sinks], t[:, S - (budget - n_sinks):]], 1)
+
+
+def _attend_cached(mixer, q, k, v):
+    """The query [B, 1, Hq, D] over cached pre-RoPE keys k, v [B, S, Hkv, D], rotated at slots 0..S-1
+    (the query at S - 1)."""
+    c, S = mixer.cfg, k.shape[1]
+    if c.rope:
+        cos, sin = rope_angles(torch.arange(S, device=q.device), c.head_dim, c.rope_theta)
+        k = apply_rope(k, cos, sin)
+        q = apply_rope(q, cos[-1:], sin[-1:])
+    return kernels.attention(q, k, v, sinks=mixer.sinks, backend=mixer.backend)
+
+
 @torch.no_grad()
-def streaming_logits(model, x, budget=None, n_sinks=4):
+def streaming_logits(model, x, budget=None, n_sinks=4, keep_heads=None):
     """Token-by-token decode of x [B, L] where every global attention layer keeps an evicting cache
     (see _streaming_attention); other layers (windowed attention, delta rule) use their own caches.
-    Returns logits [B, L, vocab]. budget None = full cache (equals model.forward)."""
+    Returns logits [B, L, vocab]. budget None = full cache (equals model.forward). keep_heads
+    {layer index: bool [Hq]}: only these heads keep the n_sinks first tokens (a global layer not in it:
+    none of its heads); None = every head."""
     B, L = x.shape
     caches = []
     for block in model.blocks:
@@ -293,10 +318,11 @@ def streaming_logits(model, x, budget=None, n_sinks=4):
     out = []
     for t in range(L):
         h = model.wte(x[:, t:t + 1])
-        for block, cache in zip(model.blocks, caches):
+        for i, (block, cache) in enumerate(zip(model.blocks, caches)):
             a = block.norm1(h)
             if isinstance(cache, dict):
-                h = h + _streaming_attention(block.mixer, a, cache, budget, n_sinks)
+                keep = None if keep_heads is None else keep_heads.get(i, torch.zeros(block.mixer.cfg.n_heads, dtype=torch.bool))
+                h = h + _streaming_attention(block.mixer, a, cache, budget, n_sinks, keep)
             else:
                 h = h + block.mixer(a, cache, t)
             h = h + block.mlp(block.norm2(h))
@@ -305,16 +331,19 @@ def streaming_logits(model, x, budget=None, n_sinks=4):
 
 
 @torch.no_grad()
-def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4):
+def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4, sink_heads=0):
     """StreamingLLM (seed 004): perplexity on streams of factor x the training length for a full
     cache, a recent window of `budget` keys, and n_sinks first tokens + the most recent budget -
     n_sinks keys (positions inside the cache, keys re-rotated). Evicts from global softmax attention
-    layers (kind attn without a window) only; MLA layers are not supported."""
+    layers (kind attn without a window) only; MLA layers are not supported. sink_heads > 0 adds
+    `ppl_sinks_heads`: the first tokens kept only for the sink_heads heads (over all global layers)
+    that put the most attention on position 0 (as evals.attention_sinks measures it), the window alone
+    for every other head: how much of the window's loss those heads account for."""
     kinds = [b.mixer.cfg.kind for b in model.blocks]
     if "mla" in kinds:
         raise ValueError("evals.streaming: evicts only from global softmax attention layers (kind attn "
                          "without a window); this model has MLA layers, which it does not support")
-    if not any(isinstance(b.mixer, Attention) and b.mixer.cfg.window is None for b in model.blocks):
+    if not global_layers(model):
         raise ValueError(f"evals.streaming: evicts only from global softmax attention layers (kind attn "
                          f"without a window); this model's layers are {', '.join(sorted(set(kinds)))}")
     L = int(factor * cfg.train.seq_len)
@@ -323,12 +352,28 @@ def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4):
     else:
         x, y = _synthetic(cfg, n_seqs, L, [17, 4 * 10 ** 9])
     x = x.to(_device(model))
+    policies = [("full", None, 0, None), ("window", budget, 0, None), ("sinks+window", budget, n_sinks, None)]
+    if sink_heads:
+        policies.append(("sinks_heads", budget, n_sinks, _top_sink_heads(model, cfg, sink_heads)))
     out = {}
-    for name, b, s in [("full", None, 0), ("window", budget, 0), ("sinks+window", budget, n_sinks)]:
-        logits = streaming_logits(model, x, b, s).float().cpu()
+    for name, b, s, keep in policies:
+        logits = streaming_logits(model, x, b, s, keep).float().cpu()
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-1).item()
         out[f"ppl_{name}"] = math.exp(min(nll, 50.0))
     return out
+
+
+def _top_sink_heads(model, cfg, n):
+    """{layer: bool [Hq]} marking the n heads of the global attention layers with the largest share of
+    attention on position 0."""
+    layers = global_layers(model)
+    skip = min(16, cfg.train.seq_len // 2)
+    shares = {i: r["key0_heads"] for i, r in layer_attention_shares(model, cfg, layers, skip=skip).items()}
+    ranked = sorted(((s, i, h) for i, per_head in shares.items() for h, s in enumerate(per_head)), reverse=True)
+    keep = {i: torch.zeros(len(per_head), dtype=torch.bool) for i, per_head in shares.items()}
+    for _, i, h in ranked[:n]:
+        keep[i][h] = True
+    return keep
 
 
 def attention_shares(q, k, scale, sinks=None, n_first=4, skip=16):
@@ -353,6 +398,23 @@ def attention_shares(q, k, scale, sinks=None, n_first=4, skip=16):
 
 
 @torch.no_grad()
+def layer_attention_shares(model, cfg, layers, n_seqs=8, n_first=4, skip=16):
+    """{layer: attention_shares} of the given global attention layers on n_seqs validation sequences of
+    the training length."""
+    T = cfg.train.seq_len
+    x = (_text_batch(cfg, n_seqs, T, offset=4242) if _is_text(cfg) else _synthetic(cfg, n_seqs, T, [29, 6 * 10 ** 9]))[0]
+    captures = {i: _Capture() for i in layers}
+    h = model.wte(x.to(_device(model)))
+    for i, block in enumerate(model.blocks):
+        h = block(h, captures.get(i), 0)
+    out = {}
+    for i in layers:
+        q, k, _, scale, sinks = captures[i].qkv
+        out[i] = attention_shares(q, k, scale, sinks, n_first, skip)
+    return out
+
+
+@torch.no_grad()
 def eval_attention_sinks(model, cfg, n_seqs=8, n_first=4, skip=16, head_threshold=0.3):
     """Attention sinks (StreamingLLM): the share of attention on position 0 per global attention layer.
 
@@ -363,22 +425,15 @@ def eval_attention_sinks(model, cfg, n_seqs=8, n_first=4, skip=16, head_threshol
     share under uniform attention, the level without a sink. `sink_heads`: the fraction of all these
     layers' heads whose share on position 0 exceeds head_threshold (Gu et al. 2024's sink ratio, with
     their threshold 0.3). Layers of other kinds are skipped."""
-    layers = [i for i, b in enumerate(model.blocks) if isinstance(b.mixer, Attention) and b.mixer.cfg.window is None]
+    layers = global_layers(model)
     if not layers:
         raise ValueError("evals.attention_sinks: the model has no global softmax attention layer (kind attn "
                          "without a window)")
-    T = cfg.train.seq_len
-    if skip >= T:
-        raise ValueError(f"evals.attention_sinks.skip: must be below the training length {T} (got {skip})")
-    x = (_text_batch(cfg, n_seqs, T, offset=4242) if _is_text(cfg) else _synthetic(cfg, n_seqs, T, [29, 6 * 10 ** 9]))[0]
-    captures = {i: _Capture() for i in layers}
-    h = model.wte(x.to(_device(model)))
-    for i, block in enumerate(model.blocks):
-        h = block(h, captures.get(i), 0)
+    if skip >= cfg.train.seq_len:
+        raise ValueError(f"evals.attention_sinks.skip: must be below the training length {cfg.train.seq_len} "
+                         f"(got {skip})")
     out, heads = {}, []
-    for i in layers:
-        q, k, _, scale, sinks = captures[i].qkv
-        shares = attention_shares(q, k, scale, sinks, n_first, skip)
+    for i, shares in layer_attention_shares(model, cfg, layers, n_seqs, n_first, skip).items():
         out["uniform"] = shares.pop("uniform")
         per_head = shares.pop("key0_heads")
         heads += per_head
@@ -566,7 +621,8 @@ OPTION_RULES = {
     "needle": {"factors": _ABOVE_0, "depths": ((lambda v: 0 <= v <= 1), "in [0, 1]"), "n_trials": _POSITIVE},
     "length": {"factor": ((lambda v: v >= 1), ">= 1 (a multiple of the training length)"),
                "n_seqs": _POSITIVE, "n_buckets": _POSITIVE},
-    "streaming": {"factor": _ABOVE_0, "budget": _POSITIVE, "n_sinks": _at_least(0), "n_seqs": _POSITIVE},
+    "streaming": {"factor": _ABOVE_0, "budget": _POSITIVE, "n_sinks": _at_least(0), "n_seqs": _POSITIVE,
+                  "sink_heads": _at_least(0)},
     "kv_policies": {"policies": ((lambda v: v in KV_POLICIES), f"one of {', '.join(KV_POLICIES)}"),
                     "budgets": _POSITIVE, "factor": _ABOVE_0, "n_seqs": _POSITIVE, "block_size": _POSITIVE},
     "palindrome": {"n_batches": _POSITIVE, "batch_size": _POSITIVE, "seq_len": _at_least(0)},

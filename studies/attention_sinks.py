@@ -3,8 +3,10 @@ window-only eviction then collapse while 4 kept sink tokens (or learned sinks) r
 
 For every run folder: the share of attention on position 0 per global layer at each checkpoint
 (evals.eval_attention_sinks), and at the last checkpoint the perplexity of long streams with a full
-cache, a recent window only, and 4 first tokens + the window (evals.eval_streaming). Prints a markdown
-table per run and writes a plot of the position-0 share over training.
+cache, a recent window only, and 4 first tokens + the window (evals.eval_streaming); with --sink_heads K
+also the first tokens kept for the K most sink-like heads only (the window alone for the rest), which
+says how much of the cost of evicting them those heads carry. Prints a markdown table per run and writes
+a plot of the position-0 share over training.
 
     python studies/attention_sinks.py runs/streaming_long/global runs/streaming_long/learned_sinks \
         --budgets 16 32 64 --factor 4 --out docs/attention_sinks.png
@@ -32,7 +34,7 @@ def checkpoints(folder):
     return sorted(found)
 
 
-def study(folder, budgets, n_sinks, factor, n_seqs, skip, log=print):
+def study(folder, budgets, n_sinks, factor, n_seqs, skip, sink_heads=0, log=print):
     """{"shares": [(step, eval_attention_sinks result)], "streaming": {budget: eval_streaming of the last
     checkpoint}, "val": its eval_val}."""
     shares = []
@@ -41,7 +43,8 @@ def study(folder, budgets, n_sinks, factor, n_seqs, skip, log=print):
         shares.append((step, evals.run_eval("attention_sinks", model, cfg, {"n_seqs": n_seqs, "skip": skip})))
         log(f"{folder} step {step}: key 0 share {shares[-1][1]['key0_mean']:.3f} (uniform {shares[-1][1]['uniform']:.3f})")
     stream = {b: evals.run_eval("streaming", model, cfg, {"factor": factor, "budget": b, "n_sinks": n_sinks,
-                                                           "n_seqs": n_seqs}) for b in budgets}
+                                                           "n_seqs": n_seqs, "sink_heads": sink_heads})
+              for b in budgets}
     return {"shares": shares, "streaming": stream, "val": evals.run_eval("val", model, cfg, {"n_batches": 16})}
 
 
@@ -63,9 +66,13 @@ def table(folder, result):
         lines.append("| " + " | ".join(cells) + " |")
     v = result["val"]
     lines += ["", f"last checkpoint (step {shares[-1][0]}): val loss {v['val_loss']:.3f}; perplexity of the streams",
-              "", "| cache budget | full cache | window only | sinks + window |", "|---|---|---|---|"]
+              ""]
+    heads = "ppl_sinks_heads" in next(iter(result["streaming"].values()))
+    lines += ["| cache budget | full cache | window only | sinks + window |"
+              + (" sinks for the top heads only, window for the rest |" if heads else ""), "|---|---|---|---|" + "---|" * heads]
     for b, s in result["streaming"].items():
-        lines.append(f"| {b} | {s['ppl_full']:.2f} | {s['ppl_window']:.2f} | {s['ppl_sinks+window']:.2f} |")
+        lines.append(f"| {b} | {s['ppl_full']:.2f} | {s['ppl_window']:.2f} | {s['ppl_sinks+window']:.2f} |"
+                     + (f" {s['ppl_sinks_heads']:.2f} |" if heads else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -100,12 +107,16 @@ def main(argv=None):
     p.add_argument("--factor", type=float, default=4, help="stream length in training lengths")
     p.add_argument("--n_seqs", type=int, default=8)
     p.add_argument("--skip", type=int, default=16, help="queries before this position are not counted")
+    p.add_argument("--sink_heads", type=int, default=0,
+                   help="also keep the first tokens for only this many heads, those with the most attention on position 0")
     p.add_argument("--out", default=None, help="PNG of the position-0 share over steps")
     args = p.parse_args(argv)
     try:
         for b in args.budgets:
-            evals.check_options("streaming", {"budget": b, "n_sinks": args.n_sinks, "factor": args.factor})
-        results = {f: study(f, args.budgets, args.n_sinks, args.factor, args.n_seqs, args.skip) for f in args.runs}
+            evals.check_options("streaming", {"budget": b, "n_sinks": args.n_sinks, "factor": args.factor,
+                                              "sink_heads": args.sink_heads})
+        results = {f: study(f, args.budgets, args.n_sinks, args.factor, args.n_seqs, args.skip, args.sink_heads)
+                   for f in args.runs}
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -57,6 +57,42 @@ def test_streaming_eviction_reassigns_positions(n_sinks):
     assert (evals.streaming_logits(model, x, budget, n_sinks)[:, :budget] - model(x[:, :budget])[0]).abs().max() < 1e-4
 
 
+def test_streaming_keep_heads_selects_each_heads_cache():
+    """keep_heads: every head = sinks + window, none = window only; with the other heads' output
+    columns zeroed, keeping one head's first tokens equals the sinks + window decode, and not keeping
+    them equals the window-only decode (GQA: heads 0 and 1 share a kv head)."""
+    model, _ = make(["g", "g"], {"g": GLOBAL})
+    x = torch.randint(0, 40, (2, 14))
+    budget, n_sinks = 6, 2
+    sinks, window = (evals.streaming_logits(model, x, budget, s) for s in (n_sinks, 0))
+    every = {i: torch.ones(4, dtype=torch.bool) for i in (0, 1)}
+    assert (evals.streaming_logits(model, x, budget, n_sinks, every) - sinks).abs().max() < 1e-5
+    assert (evals.streaming_logits(model, x, budget, n_sinks, {}) - window).abs().max() < 1e-5
+    assert (sinks - window).abs().max() > 1e-2                       # the two policies differ here
+    D = model.blocks[0].mixer.cfg.head_dim
+    with torch.no_grad():
+        for b in model.blocks:
+            b.mixer.wo.weight[:, D:] = 0                              # only head 0 reaches the residual
+    sinks, window = (evals.streaming_logits(model, x, budget, s) for s in (n_sinks, 0))
+    head0 = {i: torch.tensor([True, False, False, False]) for i in (0, 1)}
+    assert (evals.streaming_logits(model, x, budget, n_sinks, head0) - sinks).abs().max() < 1e-5
+    others = {i: ~head0[i] for i in (0, 1)}
+    assert (evals.streaming_logits(model, x, budget, n_sinks, others) - window).abs().max() < 1e-5
+
+
+def test_eval_streaming_sink_heads_spans_window_to_sinks():
+    """sink_heads = every head gives the sinks + window perplexity, and the picked heads are those
+    with the largest share on position 0."""
+    model, cfg = make(["g", "g"], {"g": GLOBAL}, seq_len=16)
+    out = evals.eval_streaming(model, cfg, factor=1, budget=8, n_seqs=2, sink_heads=8)
+    assert abs(out["ppl_sinks_heads"] - out["ppl_sinks+window"]) < 1e-4 * out["ppl_sinks+window"]
+    keep = evals._top_sink_heads(model, cfg, 3)
+    shares = evals.layer_attention_shares(model, cfg, [0, 1], skip=8)
+    picked = sorted(shares[i]["key0_heads"][h] for i in (0, 1) for h in range(4) if keep[i][h])
+    rest = [shares[i]["key0_heads"][h] for i in (0, 1) for h in range(4) if not keep[i][h]]
+    assert sum(k.sum().item() for k in keep.values()) == 3 and picked[0] >= max(rest)
+
+
 def test_eval_streaming_reports_three_policies():
     model, cfg = make(["g"], {"g": GLOBAL}, seq_len=16)
     out = evals.eval_streaming(model, cfg, factor=1, budget=8, n_seqs=2)
