@@ -278,7 +278,7 @@ def _streaming_attention(mixer, x, cache, budget, n_sinks, keep_heads=None):
     cache["k"], cache["v"] = _evict(cache["k"], budget + n_sinks, n_sinks), _evict(cache["v"], budget + n_sinks, n_sinks)
     o_sinks = _attend_cached(mixer, q, _evict(cache["k"], budget, n_sinks), _evict(cache["v"], budget, n_sinks))
     o_window = _attend_cached(mixer, q, cache["k"][:, -budget:], cache["v"][:, -budget:])
-    o = torch.where(keep_heads.to(x.device)[:, None], o_sinks, o_window)          # [B, 1, Hq, D]
+    o = torch.where(keep_heads[:, None], o_sinks, o_window)          # [B, 1, Hq, D]
     return mixer.wo(o.reshape(B, 1, -1))
 
 
@@ -308,21 +308,21 @@ def streaming_logits(model, x, budget=None, n_sinks=4, keep_heads=None):
     none of its heads); None = every head."""
     B, L = x.shape
     caches = []
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
         m = block.mixer
         if isinstance(m, Attention) and m.cfg.window is None:
             empty = model.wte.weight.new_zeros(B, 0, m.cfg.n_kv_heads, m.cfg.head_dim)
-            caches.append({"k": empty, "v": empty})
+            keep = None if keep_heads is None else keep_heads.get(i, torch.zeros(m.cfg.n_heads, dtype=torch.bool))
+            caches.append({"k": empty, "v": empty, "keep_heads": None if keep is None else keep.to(x.device)})
         else:
             caches.append(m.new_cache(B, L, x.device, model.wte.weight.dtype))
     out = []
     for t in range(L):
         h = model.wte(x[:, t:t + 1])
-        for i, (block, cache) in enumerate(zip(model.blocks, caches)):
+        for block, cache in zip(model.blocks, caches):
             a = block.norm1(h)
             if isinstance(cache, dict):
-                keep = None if keep_heads is None else keep_heads.get(i, torch.zeros(block.mixer.cfg.n_heads, dtype=torch.bool))
-                h = h + _streaming_attention(block.mixer, a, cache, budget, n_sinks, keep)
+                h = h + _streaming_attention(block.mixer, a, cache, budget, n_sinks, cache["keep_heads"])
             else:
                 h = h + block.mixer(a, cache, t)
             h = h + block.mlp(block.norm2(h))
