@@ -331,14 +331,15 @@ def streaming_logits(model, x, budget=None, n_sinks=4, keep_heads=None):
 
 
 @torch.no_grad()
-def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4, sink_heads=0):
+def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4, sink_heads=0, full=True):
     """StreamingLLM (seed 004): perplexity on streams of factor x the training length for a full
     cache, a recent window of `budget` keys, and n_sinks first tokens + the most recent budget -
     n_sinks keys (positions inside the cache, keys re-rotated). Evicts from global softmax attention
     layers (kind attn without a window) only; MLA layers are not supported. sink_heads > 0 adds
     `ppl_sinks_heads`: the first tokens kept only for the sink_heads heads (over all global layers)
     that put the most attention on position 0 (as evals.attention_sinks measures it), the window alone
-    for every other head: how much of the window's loss those heads account for."""
+    for every other head: how much of the window's loss those heads account for. full=False skips the
+    full cache (it does not depend on the budget: a study of several budgets decodes it once)."""
     kinds = [b.mixer.cfg.kind for b in model.blocks]
     if "mla" in kinds:
         raise ValueError("evals.streaming: evicts only from global softmax attention layers (kind attn "
@@ -352,7 +353,7 @@ def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4, sink_he
     else:
         x, y = _synthetic(cfg, n_seqs, L, [17, 4 * 10 ** 9])
     x = x.to(_device(model))
-    policies = [("full", None, 0, None), ("window", budget, 0, None), ("sinks+window", budget, n_sinks, None)]
+    policies = [("full", None, 0, None)] * full + [("window", budget, 0, None), ("sinks+window", budget, n_sinks, None)]
     if sink_heads:
         policies.append(("sinks_heads", budget, n_sinks, _top_sink_heads(model, cfg, sink_heads)))
     out = {}
@@ -424,7 +425,8 @@ def eval_attention_sinks(model, cfg, n_seqs=8, n_first=4, skip=16, head_threshol
     the share on position 0 of the layer's most sink-like head (`key0_maxhead_L<i>`); `uniform` is key 0's
     share under uniform attention, the level without a sink. `sink_heads`: the fraction of all these
     layers' heads whose share on position 0 exceeds head_threshold (Gu et al. 2024's sink ratio, with
-    their threshold 0.3). Layers of other kinds are skipped."""
+    their threshold 0.3); `sink_heads_L<i>` the same fraction within layer i. Layers of other kinds are
+    skipped."""
     layers = global_layers(model)
     if not layers:
         raise ValueError("evals.attention_sinks: the model has no global softmax attention layer (kind attn "
@@ -438,6 +440,7 @@ def eval_attention_sinks(model, cfg, n_seqs=8, n_first=4, skip=16, head_threshol
         per_head = shares.pop("key0_heads")
         heads += per_head
         out[f"key0_maxhead_L{i}"] = max(per_head)
+        out[f"sink_heads_L{i}"] = sum(h > head_threshold for h in per_head) / len(per_head)
         out.update({f"{name}_L{i}": v for name, v in shares.items()})
     out["key0_mean"] = sum(out[f"key0_L{i}"] for i in layers) / len(layers)
     out["sink_heads"] = sum(h > head_threshold for h in heads) / len(heads)
@@ -622,7 +625,7 @@ OPTION_RULES = {
     "length": {"factor": ((lambda v: v >= 1), ">= 1 (a multiple of the training length)"),
                "n_seqs": _POSITIVE, "n_buckets": _POSITIVE},
     "streaming": {"factor": _ABOVE_0, "budget": _POSITIVE, "n_sinks": _at_least(0), "n_seqs": _POSITIVE,
-                  "sink_heads": _at_least(0)},
+                  "sink_heads": _at_least(0), "full": ((lambda v: True), "true or false")},
     "kv_policies": {"policies": ((lambda v: v in KV_POLICIES), f"one of {', '.join(KV_POLICIES)}"),
                     "budgets": _POSITIVE, "factor": _ABOVE_0, "n_seqs": _POSITIVE, "block_size": _POSITIVE},
     "palindrome": {"n_batches": _POSITIVE, "batch_size": _POSITIVE, "seq_len": _at_least(0)},
@@ -642,8 +645,8 @@ def check_options(name, options, cfg=None):
         test, what = OPTION_RULES[name].get(key, _at_least(0) if key == "seed" else ((lambda v: True), ""))
         values = value if isinstance(value, (tuple, list)) else [value]
         default = allowed[key][0] if isinstance(allowed[key], (tuple, list)) else allowed[key]
-        kind = str if isinstance(default, str) else (int, float)            # the type the default has
-        typed = lambda v: isinstance(v, kind) and not isinstance(v, bool)  # noqa: E731
+        kind = type(default) if isinstance(default, (str, bool)) else (int, float)  # the type the default has
+        typed = lambda v: isinstance(v, kind) and (kind is bool or not isinstance(v, bool))  # noqa: E731
         if not values or not all(typed(v) and test(v) for v in values):
             raise ValueError(f"evals.{name}.{key}: must be {what}{' (each)' if isinstance(value, (tuple, list)) else ''}"
                              f" (got {value!r})")
@@ -692,14 +695,22 @@ def _parse_value(default):
         kind = type(default[0]) if default else float
         return lambda s: tuple(kind(v) for v in s.split(","))
     if isinstance(default, bool):
-        return lambda s: s.lower() in ("1", "true", "yes")
+        return _parse_bool
     return type(default)
+
+
+def _parse_bool(s):
+    if s.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise ValueError(s)                                       # argparse: "invalid true or false value"
+    return s.lower() in ("1", "true", "yes")
 
 
 def _named(parse, default):
     """argparse names the type in its message: 'invalid comma-separated float list value: ...'."""
     if isinstance(default, (tuple, list)):
         parse.__name__ = f"comma-separated {type(default[0]).__name__ if default else 'float'} list"
+    if isinstance(default, bool):
+        parse.__name__ = "true or false"
     return parse
 
 

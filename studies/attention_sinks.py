@@ -43,7 +43,8 @@ def study(folder, budgets, n_sinks, factor, n_seqs, skip, sink_heads=0, log=prin
         shares.append((step, evals.run_eval("attention_sinks", model, cfg, {"n_seqs": n_seqs, "skip": skip})))
         log(f"{folder} step {step}: key 0 share {shares[-1][1]['key0_mean']:.3f} (uniform {shares[-1][1]['uniform']:.3f})")
     stream = {b: evals.run_eval("streaming", model, cfg, {"factor": factor, "budget": b, "n_sinks": n_sinks,
-                                                           "n_seqs": n_seqs, "sink_heads": sink_heads})
+                                                           "n_seqs": n_seqs, "sink_heads": sink_heads,
+                                                           "full": b == budgets[0]})  # full cache: once
               for b in budgets}
     return {"shares": shares, "streaming": stream, "val": evals.run_eval("val", model, cfg, {"n_batches": 16})}
 
@@ -54,15 +55,15 @@ def table(folder, result):
     layers = sorted(int(k[len("key0_L"):]) for k in shares[0][1] if k.startswith("key0_L"))
     learned = any(r[f"learned_L{i}"] > 0 for _, r in shares for i in layers)
     head = (["step"] + [f"key 0, layer {i}" for i in layers] + [f"strongest head, layer {i}" for i in layers]
-            + ([f"learned sink, layer {i}" for i in layers] if learned else []) + ["heads > 0.3"])
+            + ([f"learned sink, layer {i}" for i in layers] if learned else []) + ["heads > 0.3 (by layer)"])
     lines = [f"{folder}: share of attention on position 0, mean over heads and in the layer's strongest head; "
-             f"heads > 0.3: the fraction of all heads that put more than 0.3 there (uniform attention: "
+             f"heads > 0.3: the fraction of all heads that put more than 0.3 there, then within each layer (uniform attention: "
              f"{shares[0][1]['uniform']:.3f})", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for step, r in shares:
         cells = [str(step)] + [f"{r[f'key0_L{i}']:.3f}" for i in layers] + [f"{r[f'key0_maxhead_L{i}']:.3f}" for i in layers]
         cells += [f"{r[f'learned_L{i}']:.3f}" for i in layers] if learned else []
-        cells.append(f"{r['sink_heads']:.2f}")
+        cells.append(f"{r['sink_heads']:.2f} (" + " / ".join(f"{r[f'sink_heads_L{i}']:.2f}" for i in layers) + ")")
         lines.append("| " + " | ".join(cells) + " |")
     v = result["val"]
     lines += ["", f"last checkpoint (step {shares[-1][0]}): val loss {v['val_loss']:.3f}; perplexity of the streams",
@@ -70,8 +71,9 @@ def table(folder, result):
     heads = "ppl_sinks_heads" in next(iter(result["streaming"].values()))
     lines += ["| cache budget | full cache | window only | sinks + window |"
               + (" sinks for the top heads only, window for the rest |" if heads else ""), "|---|---|---|---|" + "---|" * heads]
+    full = next(iter(result["streaming"].values()))["ppl_full"]       # the same at every budget
     for b, s in result["streaming"].items():
-        lines.append(f"| {b} | {s['ppl_full']:.2f} | {s['ppl_window']:.2f} | {s['ppl_sinks+window']:.2f} |"
+        lines.append(f"| {b} | {full:.2f} | {s['ppl_window']:.2f} | {s['ppl_sinks+window']:.2f} |"
                      + (f" {s['ppl_sinks_heads']:.2f} |" if heads else ""))
     return "\n".join(lines) + "\n"
 

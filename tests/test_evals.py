@@ -97,6 +97,10 @@ def test_eval_streaming_reports_three_policies():
     model, cfg = make(["g"], {"g": GLOBAL}, seq_len=16)
     out = evals.eval_streaming(model, cfg, factor=1, budget=8, n_seqs=2)
     assert set(out) == {"ppl_full", "ppl_window", "ppl_sinks+window"} and all(v > 0 for v in out.values())
+    part = evals.run_eval("streaming", model, cfg, {"factor": 1, "budget": 8, "n_seqs": 2, "full": False})
+    assert part == {k: v for k, v in out.items() if k != "ppl_full"}     # the same streams, no full cache
+    with pytest.raises(ValueError, match=r"evals.streaming.full: must be true or false \(got 1\)"):
+        evals.run_eval("streaming", model, cfg, {"full": 1})
     kda, cfg2 = make(["k"], {"k": {"kind": "kda", "n_heads": 2}})
     with pytest.raises(ValueError, match="evicts only from global softmax attention layers .kind attn without a window.; this model.s layers are kda"):
         evals.eval_streaming(kda, cfg2)
@@ -136,9 +140,14 @@ def test_eval_attention_sinks_reports_every_global_layer():
     assert all(0 <= v <= 1 for v in out.values()) and out["learned_L1"] > 0
     for i in (1, 3):                                  # the strongest head holds at least the layer's mean
         assert out[f"key0_L{i}"] - 1e-6 <= out[f"key0_maxhead_L{i}"] <= 1
-    assert out["sink_heads"] == 0.0                   # untrained: no head parks 30% on position 0
+    assert out["sink_heads"] == out["sink_heads_L1"] == out["sink_heads_L3"] == 0.0  # untrained: no head parks 30%
     every = evals.run_eval("attention_sinks", model, cfg, {"n_seqs": 2, "skip": 4, "head_threshold": 0.0})
-    assert every["sink_heads"] == 1.0                 # threshold 0: every head counts
+    assert every["sink_heads"] == every["sink_heads_L1"] == every["sink_heads_L3"] == 1.0  # threshold 0: every head
+    shares = evals.layer_attention_shares(model, cfg, [1, 3], n_seqs=2, skip=4)
+    threshold = sorted(shares[1]["key0_heads"])[1] - 1e-7    # under layer 1's second smallest head: 3 of 4 count
+    some = evals.run_eval("attention_sinks", model, cfg, {"n_seqs": 2, "skip": 4, "head_threshold": threshold})
+    in_3 = sum(h > threshold for h in shares[3]["key0_heads"]) / 4
+    assert some["sink_heads_L1"] == 3 / 4 and some["sink_heads_L3"] == in_3 and some["sink_heads"] == (3 / 4 + in_3) / 2
     with pytest.raises(ValueError, match="evals.attention_sinks.skip: must be below the training length 32"):
         evals.run_eval("attention_sinks", model, cfg, {"skip": 32})
     kda, cfg2 = make(["k"], {"k": {"kind": "kda", "n_heads": 2}})

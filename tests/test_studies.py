@@ -32,7 +32,7 @@ def test_studies_on_a_tiny_sweep(tmp_path, capsys):
     png = str(tmp_path / "sinks.png")
     assert attention_sinks.main([run, "--budgets", "6", "8", "--factor", "1", "--n_seqs", "2", "--skip", "4", "--out", png]) == 0
     out = capsys.readouterr().out
-    assert "| step | key 0, layer 0 | key 0, layer 1 | strongest head, layer 0 |" in out and "heads > 0.3 |" in out and "| 6 |" in out and "| 6 |" in out and "| 8 |" in out and "window only" in out
+    assert "| step | key 0, layer 0 | key 0, layer 1 | strongest head, layer 0 |" in out and "heads > 0.3 (by layer) |" in out and "| 6 |" in out and "| 6 |" in out and "| 8 |" in out and "window only" in out
     assert os.path.getsize(png) > 1000
     assert attention_sinks.main([run, "--budgets", "6", "--factor", "1", "--n_seqs", "2", "--sink_heads", "1"]) == 0
     assert "| sinks for the top heads only, window for the rest |" in capsys.readouterr().out

@@ -384,6 +384,9 @@ def test_eval_seed_and_list_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
         evals.main(["needle", "--ckpt", ckpt, "--factors", "1,x"])
     assert "invalid comma-separated int list value: '1,x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):                   # a bool option: true/false/yes/no/1/0, not 'maybe' -> False
+        evals.main(["streaming", "--ckpt", ckpt, "--full", "maybe"])
+    assert "argument --full: invalid true or false value: 'maybe'" in capsys.readouterr().err
 
 
 def test_converted_checkpoint_has_no_tokenizer_nor_corpus(tmp_path, text_ckpt, capsys):
