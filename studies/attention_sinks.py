@@ -69,13 +69,21 @@ def table(folder, result):
     lines += ["", f"last checkpoint (step {shares[-1][0]}): val loss {v['val_loss']:.3f}; perplexity of the streams",
               ""]
     heads = "ppl_sinks_heads" in next(iter(result["streaming"].values()))
-    lines += ["| cache budget | full cache | window only | sinks + window |"
-              + (" sinks for the top heads only, window for the rest |" if heads else ""), "|---|---|---|---|" + "---|" * heads]
+    lines += ["| cache budget | full cache | window only | sinks + window | cost of evicting |"
+              + (" sinks for the top heads only, window for the rest | share of the cost they win back |" if heads else ""),
+              "|---|---|---|---|---|" + "---|---|" * heads]
     full = next(iter(result["streaming"].values()))["ppl_full"]       # the same at every budget
     for b, s in result["streaming"].items():
-        lines.append(f"| {b} | {full:.2f} | {s['ppl_window']:.2f} | {s['ppl_sinks+window']:.2f} |"
-                     + (f" {s['ppl_sinks_heads']:.2f} |" if heads else ""))
+        window, sinks = s["ppl_window"], s["ppl_sinks+window"]
+        lines.append(f"| {b} | {full:.2f} | {window:.2f} | {sinks:.2f} | {window / sinks - 1:+.0%} |"
+                     + (f" {s['ppl_sinks_heads']:.2f} | {won_back(window, sinks, s['ppl_sinks_heads'])} |" if heads else ""))
     return "\n".join(lines) + "\n"
+
+
+def won_back(window, sinks, heads):
+    """(window - heads) / (window - sinks): the share of the cost of evicting that keeping the first tokens
+    for the top heads alone wins back ("-" where evicting costs nothing)."""
+    return f"{(window - heads) / (window - sinks):.0%}" if window - sinks > 1e-3 * sinks else "-"
 
 
 def plot(results, path):

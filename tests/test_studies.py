@@ -35,7 +35,9 @@ def test_studies_on_a_tiny_sweep(tmp_path, capsys):
     assert "| step | key 0, layer 0 | key 0, layer 1 | strongest head, layer 0 |" in out and "heads > 0.3 (by layer) |" in out and "| 6 |" in out and "| 6 |" in out and "| 8 |" in out and "window only" in out
     assert os.path.getsize(png) > 1000
     assert attention_sinks.main([run, "--budgets", "6", "--factor", "1", "--n_seqs", "2", "--sink_heads", "1"]) == 0
-    assert "| sinks for the top heads only, window for the rest |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| cost of evicting | sinks for the top heads only, window for the rest | share of the cost they win back |" in out
+    assert attention_sinks.won_back(5.0, 3.0, 4.0) == "50%" and attention_sinks.won_back(3.0, 3.0, 3.0) == "-"
     assert attention_sinks.main([run, "--sink_heads", "-1"]) == 2
     assert capsys.readouterr().err.startswith("error: evals.streaming.sink_heads: must be >= 0")
     assert attention_sinks.main([str(tmp_path)]) == 2              # no checkpoint: one line
