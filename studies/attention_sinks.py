@@ -75,9 +75,15 @@ def table(folder, result):
     full = next(iter(result["streaming"].values()))["ppl_full"]       # the same at every budget
     for b, s in result["streaming"].items():
         window, sinks = s["ppl_window"], s["ppl_sinks+window"]
-        lines.append(f"| {b} | {full:.2f} | {window:.2f} | {sinks:.2f} | {window / sinks - 1:+.0%} |"
+        lines.append(f"| {b} | {full:.2f} | {window:.2f} | {sinks:.2f} | {cost(window, sinks)} |"
                      + (f" {s['ppl_sinks_heads']:.2f} | {won_back(window, sinks, s['ppl_sinks_heads'])} |" if heads else ""))
     return "\n".join(lines) + "\n"
+
+
+def cost(window, sinks):
+    """How much worse the window alone is than sinks + window, as a signed percentage ("0%", not "-0%")."""
+    change = round(100 * (window / sinks - 1))
+    return f"{change:+d}%" if change else "0%"
 
 
 def won_back(window, sinks, heads):

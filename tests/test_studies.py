@@ -38,6 +38,7 @@ def test_studies_on_a_tiny_sweep(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| cost of evicting | sinks for the top heads only, window for the rest | share of the cost they win back |" in out
     assert attention_sinks.won_back(5.0, 3.0, 4.0) == "50%" and attention_sinks.won_back(3.0, 3.0, 3.0) == "-"
+    assert attention_sinks.cost(4.4, 4.0) == "+10%" and attention_sinks.cost(3.99, 4.0) == "0%" and attention_sinks.cost(3.4, 4.0) == "-15%"
     assert attention_sinks.main([run, "--sink_heads", "-1"]) == 2
     assert capsys.readouterr().err.startswith("error: evals.streaming.sink_heads: must be >= 0")
     assert attention_sinks.main([str(tmp_path)]) == 2              # no checkpoint: one line
