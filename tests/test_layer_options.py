@@ -197,8 +197,9 @@ def test_norm_and_rope_keep_little_for_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        norm(x)
-        M.apply_rope(x.view(4, 8, 2, 8), *M.rope_angles(torch.arange(8), 8, 10000.0))
+        normed = norm(x)        # outputs kept alive: a freed graph's address reused would be counted once
+        rotated = M.apply_rope(x.view(4, 8, 2, 8), *M.rope_angles(torch.arange(8), 8, 10000.0))
+    assert normed.grad_fn is not None and rotated.grad_fn is not None
     assert sum(kept.values()) == x.nbytes + 4 * 8 * 4 + norm.weight.nbytes + 2 * 8 * 4 * 4
 
 
