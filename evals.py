@@ -353,7 +353,9 @@ def eval_streaming(model, cfg, factor=2, budget=64, n_sinks=4, n_seqs=4, sink_he
     else:
         x, y = _synthetic(cfg, n_seqs, L, [17, 4 * 10 ** 9])
     x = x.to(_device(model))
-    policies = [("full", None, 0, None)] * full + [("window", budget, 0, None), ("sinks+window", budget, n_sinks, None)]
+    policies = [("window", budget, 0, None), ("sinks+window", budget, n_sinks, None)]
+    if full:
+        policies.insert(0, ("full", None, 0, None))
     if sink_heads:
         policies.append(("sinks_heads", budget, n_sinks, _top_sink_heads(model, cfg, sink_heads)))
     out = {}
