@@ -103,6 +103,21 @@ def test_readme_points_only_at_files_in_the_repository():
         assert cited in tracked or os.path.exists(os.path.join(ROOT, cited)), cited
 
 
+def heading_anchor(heading):
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_section_links_resolve():
+    """Every (#anchor) link in the README names one of its headings."""
+    text = readme()
+    anchors = {heading_anchor(m) for m in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    assert heading_anchor("MQAR at T = 256 (`sweeps/mqar256.yaml`)") == "mqar-at-t--256-sweepsmqar256yaml"
+    links = re.findall(r"\]\(#([^)]+)\)", text)
+    assert len(links) >= 8
+    assert [a for a in links if a not in anchors] == []
+
+
 def test_slow_marker_selects_tests():
     """`pytest -m slow` (README) selects tests: some carry the mark (else pytest exits 5)."""
     folder = os.path.join(ROOT, "tests")
