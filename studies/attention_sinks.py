@@ -71,7 +71,7 @@ def table(folder, result):
     heads = "ppl_sinks_heads" in next(iter(result["streaming"].values()))
     lines += ["| cache budget | full cache | window only | sinks + window | cost of evicting |"
               + (" sinks for the top heads only, window for the rest | share of the cost they win back |" if heads else ""),
-              "|---|---|---|---|---|" + "---|---|" * heads]
+              "|---|---|---|---|---|" + ("---|---|" if heads else "")]
     full = next(iter(result["streaming"].values()))["ppl_full"]       # the same at every budget
     for b, s in result["streaming"].items():
         window, sinks = s["ppl_window"], s["ppl_sinks+window"]
