@@ -545,10 +545,11 @@ def best_lr(sweep, rs, metric):
     return lr, groups[lr]
 
 
-def best_runs(sweep, only=None):
+def best_runs(sweep, only=None, results=None):
     """({variant: (best lr, the runs at that lr)}, selection metric) over the finished runs of the variants
-    in `only` (all if None); a one-line DataError when there are none."""
-    results = {v: rs for v, rs in collect(sweep).items() if not only or v in only}
+    in `only` (all if None; `results`: collect()'s, possibly rescored, instead of reading them again); a
+    one-line DataError when there are none."""
+    results = {v: rs for v, rs in (collect(sweep) if results is None else results).items() if not only or v in only}
     if not results:
         raise DataError(f"{sweep['out_dir']}: no finished run (result.json) yet")
     metric = select_metric(sweep, results)

@@ -1,11 +1,14 @@
 """Does one variant beat another across seeds (issue 16)? For the finished runs of a sweep, each variant
 at its best lr (ablate.py's selection) and the sweep's selection metric (`select`, else val_acc or
 val_loss):
-- per variant: seeds, mean with a 95% bootstrap interval of the mean, sample std, median, min - max,
+- per variant: seeds, the lr, mean with a 95% bootstrap interval of the mean, sample std, median, min - max,
   and (--solved X) how many seeds reach X;
 - --metric NAME compares another number of each run's final record instead, still at the best lr of the
   selection metric: `step` is where the run stopped, so with `stop_at` it is the steps each seed took to
   solve the task, counted as the step cap where it did not (a censored time to solve);
+- --at_step N compares the selection metric at training step N instead (the last eval at or before N in
+  each run's metrics.jsonl; a run stopped earlier keeps its last value), each variant at its best lr by
+  that value: how fast the variants learn where all of them end solved;
 - per pair of variants: the difference of the means with its 95% bootstrap interval, and a two-sided
   permutation p-value (how often shuffling the seeds between the two variants gives a difference at
   least as large; exact over every split when there are at most 200,000, else from 20,000 random ones,
@@ -14,6 +17,7 @@ Seeded: the same runs give the same numbers.
 
     python studies/seed_stats.py sweeps/mqar_key_width.yaml --only kda_k8,gdn_k8,linear_k8 --solved 0.9
     python studies/seed_stats.py sweeps/mqar_ladder256.yaml --only kda,gdn,linear --metric step
+    python studies/seed_stats.py sweeps/palindrome_long.yaml --at_step 500
 """
 import argparse
 import itertools
@@ -27,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ablate  # noqa: E402
 from data.tokens import DataError  # noqa: E402
+from plot import read_metrics  # noqa: E402
 
 EXACT_LIMIT = 200_000
 
@@ -52,10 +57,27 @@ def permutation_p(a, b, n=20_000, seed=0):
     return (sum(diff(sum(rng.sample(pooled, k))) >= observed for _ in range(n)) + 1) / (n + 1)
 
 
-def seed_values(sweep, only=None, name=None):
+def at_step(sweep, step, only=None):
+    """collect()'s results with each run's final record replaced by {selection metric: its value at `step`}
+    (the last eval at or before it; diverged runs keep no value)."""
+    results = ablate.collect(sweep)
+    if not results:
+        raise DataError(f"{sweep['out_dir']}: no finished run (result.json) yet")
+    name = ablate.select_metric(sweep, results)[0]
+    for r in (r for v, rs in results.items() if not only or v in only for r in rs if not r.get("diverged")):
+        folder = ablate.result_dir(sweep, r)
+        evals = [row for row in read_metrics(folder) if row.get(name) is not None and row["step"] <= step]
+        if not evals:
+            raise DataError(f"--at_step {step}: {folder} logged no {name} at or before step {step}")
+        r["final"] = {name: evals[-1][name]}
+    return results
+
+
+def seed_values(sweep, only=None, name=None, step=None):
     """{variant: (best lr, [value of each finished seed; diverged ones left out])}, (name, higher is better):
-    the value is the selection metric, or the final record's `name` (any number in it, e.g. step)."""
-    best, metric = ablate.best_runs(sweep, only)
+    the value is the selection metric (at training step `step` if given: at_step), or the final record's
+    `name` (any number in it, e.g. step)."""
+    best, metric = ablate.best_runs(sweep, only, None if step is None else at_step(sweep, step, only))
     if name is not None and name != metric[0]:
         keys = sorted({k for _, runs in best.values() for r in runs for k, x in r["final"].items()
                        if isinstance(x, (int, float))})
@@ -71,12 +93,12 @@ def seed_values(sweep, only=None, name=None):
 
 
 def variant_table(values, metric, solved=None):
-    head = ["variant", "seeds", f"mean {metric[0]} [95% interval]", "std", "median", "min - max"]
+    head = ["variant", "seeds", "lr", f"mean {metric[0]} [95% interval]", "std", "median", "min - max"]
     head += [f"seeds >= {solved:g}"] if solved is not None else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, (lr, xs) in values.items():
         lo, hi = bootstrap_interval(ablate.mean, [xs])
-        cells = [variant, str(len(xs)), f"{ablate.mean(xs):.3f} [{lo:.3f}, {hi:.3f}]", f"{ablate.std(xs):.3f}",
+        cells = [variant, str(len(xs)), "–" if lr is None else f"{lr:g}", f"{ablate.mean(xs):.3f} [{lo:.3f}, {hi:.3f}]", f"{ablate.std(xs):.3f}",
                  f"{statistics.median(xs):.3f}",
                  f"{min(xs):.3f} - {max(xs):.3f}"]
         cells += [f"{sum(x >= solved for x in xs)} / {len(xs)}"] if solved is not None else []
@@ -101,14 +123,18 @@ def main(argv=None):
     p.add_argument("--metric", default=None,
                    help="a number of the runs' final record to compare (default: the selection metric; step: "
                         "steps to the stop)")
+    p.add_argument("--at_step", type=int, default=None,
+                   help="compare the selection metric at this training step (each variant at its best lr by it)")
     args = p.parse_args(argv)
     try:
+        if args.at_step is not None and args.metric is not None:
+            raise ValueError("--at_step compares the selection metric at a step; give it or --metric, not both")
         sweep = ablate.load_sweep(args.sweep)
         only = args.only and args.only.split(",")
         unknown = [v for v in only or () if v not in sweep["variants"]]
         if unknown:
             raise ValueError(f"--only {','.join(unknown)}: not a variant of this sweep ({', '.join(sweep['variants'])})")
-        values, metric = seed_values(sweep, only, args.metric)
+        values, metric = seed_values(sweep, only, args.metric, args.at_step)
     except (ablate.SweepError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

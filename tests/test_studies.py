@@ -192,11 +192,15 @@ def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
             with open(os.path.join(d, "result.json"), "w") as f:
                 json.dump({"variant": variant, "seed": seed, "lr": lr,
                        "final": {"step": 10 if acc > 0.5 else 30 + seed, "val_acc": acc}}, f)
+            early = 0.6 + 0.1 * seed if (variant, lr) == ("attn", 3e-3) else 0.2   # val_acc at step 5
+            with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+                for row in ({"step": 5, "loss": 1.0}, {"step": 5, "val_acc": early}, {"step": 10, "val_acc": acc}):
+                    f.write(json.dumps(row) + "\n")
     assert seed_stats.main([sweep["path"], "--solved", "0.92"]) == 0
     out = capsys.readouterr().out
-    row = re.search(r"\| attn \| 3 \| 0\.950 \[(\S+), (\S+)\] \| 0\.050 \| 0\.950 \| 0\.900 - 1\.000 \| 2 / 3 \|", out)
+    row = re.search(r"\| attn \| 3 \| 0\.001 \| 0\.950 \[(\S+), (\S+)\] \| 0\.050 \| 0\.950 \| 0\.900 - 1\.000 \| 2 / 3 \|", out)
     assert row and 0.9 <= float(row[1]) < 0.95 < float(row[2]) <= 1.0, out
-    assert "| low | 3 | 0.200 [" in out and "| 0 / 3 |" in out
+    assert "| low | 3 | 0.001 | 0.200 [" in out and "| 0 / 3 |" in out
     assert re.search(r"\| attn - twin \| \+0\.000 \[\S+, \S+\] \| 1\.000 \|", out)
     assert re.search(r"\| attn - low \| \+0\.750 \[\+0\.6\d\d, \+0\.8\d\d\] \| 0\.100 \|", out)
     assert seed_stats.permutation_p([1.0] * 10, [0.0] * 10) == 2 / math.comb(20, 10)          # exact
@@ -204,8 +208,17 @@ def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
     # another number of the final record, at the best lr of the selection metric (1e-3 for attn)
     assert seed_stats.main([sweep["path"], "--only", "attn,low", "--metric", "step"]) == 0
     out = capsys.readouterr().out
-    assert "| attn | 3 | 10.000 [10.000, 10.000] |" in out and "| low | 3 | 31.000 [" in out
+    assert "| attn | 3 | 0.001 | 10.000 [10.000, 10.000] |" in out and "| low | 3 | 0.001 | 31.000 [" in out
     assert re.search(r"\| attn - low \| -21\.000 \[-22\.000, -20\.000\] \| 0\.100 \|", out), out
+    # --at_step: the metric at a training step (the last eval at or before it), each variant at its best lr by
+    # it: attn's lr 3e-3 runs learn faster (0.6, 0.7, 0.8 at step 5) and end worse
+    assert seed_stats.main([sweep["path"], "--only", "attn,low", "--at_step", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "| attn | 3 | 0.003 | 0.700 [" in out and "| low | 3 | 0.001 | 0.200 [" in out, out
+    assert seed_stats.main([sweep["path"], "--at_step", "4"]) == 2
+    assert capsys.readouterr().err.strip().endswith("logged no val_acc at or before step 4")
+    assert seed_stats.main([sweep["path"], "--at_step", "5", "--metric", "step"]) == 2
+    assert "give it or --metric, not both" in capsys.readouterr().err
     assert seed_stats.main([sweep["path"], "--metric", "val_lost"]) == 2
     assert capsys.readouterr().err.strip() == ("error: --metric val_lost: not a number of the runs' final "
                                                "records (they have: step, val_acc)")
