@@ -58,8 +58,8 @@ def permutation_p(a, b, n=20_000, seed=0):
 
 
 def at_step(sweep, step, only=None):
-    """collect()'s results with each run's final record replaced by {selection metric: its value at `step`}
-    (the last eval at or before it; diverged runs keep no value)."""
+    """collect()'s results with each run's final record replaced by {selection metric: its value at `step`,
+    step: that eval's step} (the last eval at or before it; diverged runs keep no value)."""
     results = ablate.collect(sweep)
     if not results:
         raise DataError(f"{sweep['out_dir']}: no finished run (result.json) yet")
@@ -69,7 +69,7 @@ def at_step(sweep, step, only=None):
         evals = [row for row in read_metrics(folder) if row.get(name) is not None and row["step"] <= step]
         if not evals:
             raise DataError(f"--at_step {step}: {folder} logged no {name} at or before step {step}")
-        r["final"] = {name: evals[-1][name]}
+        r["final"] = {name: evals[-1][name], "step": evals[-1]["step"]}   # step: best_lr's tie-break
     return results
 
 
@@ -98,9 +98,9 @@ def variant_table(values, metric, solved=None):
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, (lr, xs) in values.items():
         lo, hi = bootstrap_interval(ablate.mean, [xs])
-        cells = [variant, str(len(xs)), "–" if lr is None else f"{lr:g}", f"{ablate.mean(xs):.3f} [{lo:.3f}, {hi:.3f}]", f"{ablate.std(xs):.3f}",
-                 f"{statistics.median(xs):.3f}",
-                 f"{min(xs):.3f} - {max(xs):.3f}"]
+        cells = [variant, str(len(xs)), "–" if lr is None else f"{lr:g}",
+                 f"{ablate.mean(xs):.3f} [{lo:.3f}, {hi:.3f}]", f"{ablate.std(xs):.3f}",
+                 f"{statistics.median(xs):.3f}", f"{min(xs):.3f} - {max(xs):.3f}"]
         cells += [f"{sum(x >= solved for x in xs)} / {len(xs)}"] if solved is not None else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
