@@ -60,9 +60,7 @@ def permutation_p(a, b, n=20_000, seed=0):
 def at_step(sweep, step, only=None):
     """collect()'s results with each run's final record replaced by {selection metric: its value at `step`,
     step: that eval's step} (the last eval at or before it; diverged runs keep no value)."""
-    results = ablate.collect(sweep)
-    if not results:
-        raise DataError(f"{sweep['out_dir']}: no finished run (result.json) yet")
+    results = ablate.collect(sweep)                 # none finished: best_runs says so
     name = ablate.select_metric(sweep, results)[0]
     for r in (r for v, rs in results.items() if not only or v in only for r in rs if not r.get("diverged")):
         folder = ablate.result_dir(sweep, r)
