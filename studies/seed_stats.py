@@ -2,7 +2,8 @@
 at its best lr (ablate.py's selection) and the sweep's selection metric (`select`, else val_acc or
 val_loss):
 - per variant: seeds, the lr, mean with a 95% bootstrap interval of the mean, sample std, median, min - max,
-  and (--solved X) how many seeds reach X;
+  and (--solved X) how many seeds reach X (at or above X; at or below it for a metric where lower is better,
+  so `--metric step --solved 1000` counts the seeds that stopped by step 1,000);
 - --metric NAME compares another number of each run's final record instead, still at the best lr of the
   selection metric: `step` is where the run stopped, so with `stop_at` it is the steps each seed took to
   solve the task, counted as the step cap where it did not (a censored time to solve);
@@ -92,14 +93,17 @@ def seed_values(sweep, only=None, name=None, step=None):
 
 def variant_table(values, metric, solved=None):
     head = ["variant", "seeds", "lr", f"mean {metric[0]} [95% interval]", "std", "median", "min - max"]
-    head += [f"seeds >= {solved:g}"] if solved is not None else []
+    higher = metric[1]                                            # is higher better? then "reach" is >=
+    head += [f"seeds {'>=' if higher else '<='} {solved:g}"] if solved is not None else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, (lr, xs) in values.items():
         lo, hi = bootstrap_interval(ablate.mean, [xs])
         cells = [variant, str(len(xs)), "–" if lr is None else f"{lr:g}",
                  f"{ablate.mean(xs):.3f} [{lo:.3f}, {hi:.3f}]", f"{ablate.std(xs):.3f}",
                  f"{statistics.median(xs):.3f}", f"{min(xs):.3f} - {max(xs):.3f}"]
-        cells += [f"{sum(x >= solved for x in xs)} / {len(xs)}"] if solved is not None else []
+        if solved is not None:
+            reached = sum(x >= solved if higher else x <= solved for x in xs)
+            cells.append(f"{reached} / {len(xs)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -117,7 +121,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", help="sweep file (its out_dir holds the runs)")
     p.add_argument("--only", default=None, help="comma-separated variants (default: all with finished runs)")
-    p.add_argument("--solved", type=float, default=None, help="count the seeds whose metric reaches this")
+    p.add_argument("--solved", type=float, default=None, help="count the seeds whose metric reaches this (>= it; <= it where lower is better: "
+                        "step, losses)")
     p.add_argument("--metric", default=None,
                    help="a number of the runs' final record to compare (default: the selection metric; step: "
                         "steps to the stop)")

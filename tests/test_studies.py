@@ -206,9 +206,12 @@ def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
     assert seed_stats.permutation_p([1.0] * 10, [0.0] * 10) == 2 / math.comb(20, 10)          # exact
     assert seed_stats.permutation_p(list(range(12)), list(range(12, 24))) < 1e-3            # sampled
     # another number of the final record, at the best lr of the selection metric (1e-3 for attn)
-    assert seed_stats.main([sweep["path"], "--only", "attn,low", "--metric", "step"]) == 0
+    assert seed_stats.main([sweep["path"], "--only", "attn,low", "--metric", "step", "--solved", "31"]) == 0
     out = capsys.readouterr().out
     assert "| attn | 3 | 0.001 | 10.000 [10.000, 10.000] |" in out and "| low | 3 | 0.001 | 31.000 [" in out
+    # lower is better for steps: --solved counts the seeds that stopped by step 31 (low: 30 and 31, not 32)
+    assert "seeds <= 31 |" in out and re.search(r"\| attn \| 3 \| .* \| 3 / 3 \|", out)
+    assert re.search(r"\| low \| 3 \| .* \| 2 / 3 \|", out), out
     assert re.search(r"\| attn - low \| -21\.000 \[-22\.000, -20\.000\] \| 0\.100 \|", out), out
     # --at_step: the metric at a training step (the last eval at or before it), each variant at its best lr by
     # it: attn's lr 3e-3 runs learn faster (0.6, 0.7, 0.8 at step 5) and end worse
