@@ -121,8 +121,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", help="sweep file (its out_dir holds the runs)")
     p.add_argument("--only", default=None, help="comma-separated variants (default: all with finished runs)")
-    p.add_argument("--solved", type=float, default=None, help="count the seeds whose metric reaches this (>= it; <= it where lower is better: "
-                        "step, losses)")
+    p.add_argument("--solved", type=float, default=None,
+                   help="count the seeds whose metric reaches this (>= it; <= it where lower is better: step, losses)")
     p.add_argument("--metric", default=None,
                    help="a number of the runs' final record to compare (default: the selection metric; step: "
                         "steps to the stop)")
