@@ -56,7 +56,7 @@ import time
 
 import cost
 import evals
-from config import ROOT, STOP_METRICS, apply_override, from_raw, read_yaml
+from config import ROOT, STOP_METRICS, apply_override, from_raw, higher_is_better, read_yaml
 from data.tokens import DataError, atomic_write, check_writable, write_json
 from model import ConfigError
 from plot import loss_curves, read_metrics  # noqa: F401  (read_metrics: ablate.read_metrics)
@@ -518,7 +518,7 @@ def select_metric(sweep, results):
     val_acc when runs report it, else val_loss."""
     name = sweep.get("select") or ("val_acc" if any("val_acc" in r["final"] for rs in results.values()
                                                     for r in rs) else "val_loss")
-    return name, name.endswith("acc")
+    return name, higher_is_better(name)
 
 
 def by_lr(results):

@@ -24,6 +24,16 @@ PRECISIONS = ("auto", "bf16", "fp32")
 STOP_METRICS = ("val_acc", "val_loss", "val_bpb")  # train.stop_at keys: *_acc must reach >=, the rest <=
 
 
+def higher_is_better(name):
+    """Accuracies (names ending in acc) are better higher; losses, bits per byte and steps lower."""
+    return name.endswith("acc")
+
+
+def reaches(name, value, target):
+    """Whether a metric's value reaches a target: from above for an accuracy, from below otherwise."""
+    return value >= target if higher_is_better(name) else value <= target
+
+
 @dataclass
 class DataConfig:
     kind: str = "stdlib"                # stdlib (embedded corpus), bin (prepared shards), mqar, palindrome, stack, backcopy
@@ -112,7 +122,7 @@ class TrainConfig:
             require(key in STOP_METRICS, f"{path}.stop_at.{key}", f"one of {', '.join(STOP_METRICS)}", key)
             require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{path}.stop_at.{key}",
                     "a number (the target the eval metric must reach)", value)
-            if key.endswith("acc"):  # an accuracy above 1 is never reached: the run would never stop early
+            if higher_is_better(key):  # an accuracy above 1 is never reached: the run would never stop early
                 require(0 < value <= 1, f"{path}.stop_at.{key}", "in (0, 1] (an accuracy)", value)
         N = self.context_parallel
         positive(f"{path}.context_parallel", N)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import cost
-from config import check_world, from_raw, load_config, split_args
+from config import check_world, from_raw, load_config, reaches, split_args
 from data import SYNTHETIC_KINDS, make_dataset
 from data.tokens import DataError, atomic_write
 from model import GPT, ConfigError
@@ -53,7 +53,7 @@ def target_reached(metrics, stop_at):
     """train.stop_at: True when every eval metric named there reached its target (accuracies from
     above, losses from below); False when stop_at is empty."""
     return bool(stop_at) and all(
-        k in metrics and (metrics[k] >= v if k.endswith("acc") else metrics[k] <= v) for k, v in stop_at.items())
+        k in metrics and reaches(k, metrics[k], v) for k, v in stop_at.items())
 
 
 # ----------------------------------------------------------------------------------------------

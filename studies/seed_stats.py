@@ -31,6 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ablate  # noqa: E402
+from config import higher_is_better, reaches  # noqa: E402
 from data.tokens import DataError  # noqa: E402
 from plot import read_metrics  # noqa: E402
 
@@ -82,7 +83,7 @@ def seed_values(sweep, only=None, name=None, step=None):
                        if isinstance(x, (int, float))})
         if name not in keys:
             raise DataError(f"--metric {name}: not a number of the runs' final records (they have: {', '.join(keys)})")
-        metric = (name, name.endswith("acc"))
+        metric = (name, higher_is_better(name))
     out = {v: (lr, [r["final"][metric[0]] for r in runs if r["final"].get(metric[0]) is not None])
            for v, (lr, runs) in best.items()}
     out = {v: (lr, xs) for v, (lr, xs) in out.items() if xs}
@@ -93,8 +94,7 @@ def seed_values(sweep, only=None, name=None, step=None):
 
 def variant_table(values, metric, solved=None):
     head = ["variant", "seeds", "lr", f"mean {metric[0]} [95% interval]", "std", "median", "min - max"]
-    higher = metric[1]                                            # is higher better? then "reach" is >=
-    head += [f"seeds {'>=' if higher else '<='} {solved:g}"] if solved is not None else []
+    head += [f"seeds {'>=' if metric[1] else '<='} {solved:g}"] if solved is not None else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, (lr, xs) in values.items():
         lo, hi = bootstrap_interval(ablate.mean, [xs])
@@ -102,7 +102,7 @@ def variant_table(values, metric, solved=None):
                  f"{ablate.mean(xs):.3f} [{lo:.3f}, {hi:.3f}]", f"{ablate.std(xs):.3f}",
                  f"{statistics.median(xs):.3f}", f"{min(xs):.3f} - {max(xs):.3f}"]
         if solved is not None:
-            reached = sum(x >= solved if higher else x <= solved for x in xs)
+            reached = sum(reaches(metric[0], x, solved) for x in xs)
             cells.append(f"{reached} / {len(xs)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
