@@ -14,11 +14,14 @@ val_loss):
   permutation p-value (how often shuffling the seeds between the two variants gives a difference at
   least as large; exact over every split when there are at most 200,000, else from 20,000 random ones,
   as (hits + 1) / 20,001).
+Several sweep files pool their seeds: each variant at its best lr in each sweep, its seeds from all of them
+(a held-out batch of seeds next to the one that picked the lr; distinct seeds, one metric).
 Seeded: the same runs give the same numbers.
 
     python studies/seed_stats.py sweeps/mqar_key_width.yaml --only kda_k8,gdn_k8,linear_k8 --solved 0.9
     python studies/seed_stats.py sweeps/mqar_ladder256.yaml --only kda,gdn,linear --metric step
     python studies/seed_stats.py sweeps/palindrome_long.yaml --at_step 500
+    python studies/seed_stats.py sweeps/stack_confirm.yaml sweeps/stack_confirm2.yaml --only kda,gdn
 """
 import argparse
 import itertools
@@ -74,9 +77,9 @@ def at_step(sweep, step, only=None):
 
 
 def seed_values(sweep, only=None, name=None, step=None):
-    """{variant: (best lr, [value of each finished seed; diverged ones left out])}, (name, higher is better):
-    the value is the selection metric (at training step `step` if given: at_step), or the final record's
-    `name` (any number in it, e.g. step)."""
+    """{variant: (best lr, {seed: value of each finished seed; diverged ones left out})}, (name, higher is
+    better): the value is the selection metric (at training step `step` if given: at_step), or the final
+    record's `name` (any number in it, e.g. step)."""
     best, metric = ablate.best_runs(sweep, only, None if step is None else at_step(sweep, step, only))
     if name is not None and name != metric[0]:
         keys = sorted({k for _, runs in best.values() for r in runs for k, x in r["final"].items()
@@ -84,7 +87,7 @@ def seed_values(sweep, only=None, name=None, step=None):
         if name not in keys:
             raise DataError(f"--metric {name}: not a number of the runs' final records (they have: {', '.join(keys)})")
         metric = (name, higher_is_better(name))
-    out = {v: (lr, [r["final"][metric[0]] for r in runs if r["final"].get(metric[0]) is not None])
+    out = {v: (lr, {r["seed"]: r["final"][metric[0]] for r in runs if r["final"].get(metric[0]) is not None})
            for v, (lr, runs) in best.items()}
     out = {v: (lr, xs) for v, (lr, xs) in out.items() if xs}
     if not out:
@@ -92,13 +95,40 @@ def seed_values(sweep, only=None, name=None, step=None):
     return out, metric
 
 
+def pooled_values(sweeps, only=None, name=None, step=None):
+    """seed_values of several sweeps (each variant at its best lr in each), a variant's seeds pooled:
+    {variant: ([its lr in each sweep that has it], [values])}, (name, higher is better). The sweeps must
+    compare the same metric and may not train a variant on one seed twice."""
+    pooled, origin, metric = {}, {}, None
+    for sweep in sweeps:
+        mine = [v for v in only or sweep["variants"] if v in sweep["variants"]]
+        if not mine:
+            continue
+        values, m = seed_values(sweep, mine, name, step)
+        if metric not in (None, m):
+            raise ValueError(f"{sweep['path']} compares {m[0]} and {sweeps[0]['path']} {metric[0]}: "
+                             "pool sweeps of one metric (--metric picks it)")
+        metric = m
+        for variant, (lr, by_seed) in values.items():
+            lrs, xs = pooled.setdefault(variant, ([], []))
+            for seed, x in by_seed.items():
+                if (variant, seed) in origin:
+                    raise ValueError(f"{variant} seed {seed} is in {origin[variant, seed]} and {sweep['path']}: "
+                                     "pooled sweeps need distinct seeds")
+                origin[variant, seed] = sweep["path"]
+                xs.append(x)
+            lrs.append(lr)
+    return pooled, metric
+
+
 def variant_table(values, metric, solved=None):
     head = ["variant", "seeds", "lr", f"mean {metric[0]} [95% interval]", "std", "median", "min - max"]
     head += [f"seeds {'>=' if metric[1] else '<='} {solved:g}"] if solved is not None else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for variant, (lr, xs) in values.items():
+    for variant, (lrs, xs) in values.items():
         lo, hi = bootstrap_interval(ablate.mean, [xs])
-        cells = [variant, str(len(xs)), "–" if lr is None else f"{lr:g}",
+        lr = " / ".join(dict.fromkeys("–" if lr is None else f"{lr:g}" for lr in lrs))
+        cells = [variant, str(len(xs)), lr,
                  f"{ablate.mean(xs):.3f} [{lo:.3f}, {hi:.3f}]", f"{ablate.std(xs):.3f}",
                  f"{statistics.median(xs):.3f}", f"{min(xs):.3f} - {max(xs):.3f}"]
         if solved is not None:
@@ -119,7 +149,9 @@ def pair_table(values, metric):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sweep", help="sweep file (its out_dir holds the runs)")
+    p.add_argument("sweeps", nargs="+", metavar="sweep",
+                   help="sweep file (its out_dir holds the runs); several: each variant's seeds pooled over them, "
+                        "each sweep at its own best lr")
     p.add_argument("--only", default=None, help="comma-separated variants (default: all with finished runs)")
     p.add_argument("--solved", type=float, default=None,
                    help="count the seeds whose metric reaches this (>= it; <= it where lower is better: step, losses)")
@@ -132,12 +164,14 @@ def main(argv=None):
     try:
         if args.at_step is not None and args.metric is not None:
             raise ValueError("--at_step compares the selection metric at a step; give it or --metric, not both")
-        sweep = ablate.load_sweep(args.sweep)
+        sweeps = [ablate.load_sweep(path) for path in args.sweeps]
         only = args.only and args.only.split(",")
-        unknown = [v for v in only or () if v not in sweep["variants"]]
+        variants = list(dict.fromkeys(v for sweep in sweeps for v in sweep["variants"]))
+        unknown = [v for v in only or () if v not in variants]
         if unknown:
-            raise ValueError(f"--only {','.join(unknown)}: not a variant of this sweep ({', '.join(sweep['variants'])})")
-        values, metric = seed_values(sweep, only, args.metric, args.at_step)
+            where = "this sweep" if len(sweeps) == 1 else "these sweeps"
+            raise ValueError(f"--only {','.join(unknown)}: not a variant of {where} ({', '.join(variants)})")
+        values, metric = pooled_values(sweeps, only, args.metric, args.at_step)
     except (ablate.SweepError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -174,28 +174,33 @@ def test_dsa_stages_resumes_dense_and_tabulates(tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("error: ")
 
 
-def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
-    """Planted per-seed results: the variant table (mean, bootstrap interval around it, median, count of
-    solved seeds) at each variant's best lr, and the pairs' permutation p: 2 / C(6, 3) = 0.1 for three
-    seeds that all beat three others (the smallest two-sided p there is), 1 for identical groups."""
+def plant_seed_results(sweep, planted, first_seed=0):
+    """A finished run per (variant, lr) and seed: result.json with val_acc `acc` (step 10 if acc > 0.5, else
+    30 + seed) and metrics.jsonl with val_acc at step 5 (0.6 + 0.1 seed for attn at 3e-3, else 0.2) and 10."""
     import json
-    from studies import seed_stats
-    body = SWEEP.replace("seeds: [0]", "seeds: [0, 1, 2]\nlrs: [1.0e-3, 3.0e-3]\nselect: val_acc").replace(
-        "  hybrid: {model.pattern: [kda, attn]}\n", "  twin: {}\n  low: {}\n")
-    sweep = ablate.load_sweep(write_sweep(tmp_path, body))
-    planted = {("attn", 1e-3): [0.9, 0.95, 1.0], ("attn", 3e-3): [0.1, 0.2, 0.3],
-               ("twin", 1e-3): [0.9, 0.95, 1.0], ("low", 1e-3): [0.1, 0.2, 0.3]}
     for (variant, lr), accs in planted.items():
-        for seed, acc in enumerate(accs):
+        for seed, acc in enumerate(accs, first_seed):
             d = ablate.run_dir(sweep, variant, seed, lr)
             os.makedirs(d)
             with open(os.path.join(d, "result.json"), "w") as f:
                 json.dump({"variant": variant, "seed": seed, "lr": lr,
-                       "final": {"step": 10 if acc > 0.5 else 30 + seed, "val_acc": acc}}, f)
+                           "final": {"step": 10 if acc > 0.5 else 30 + seed, "val_acc": acc}}, f)
             early = 0.6 + 0.1 * seed if (variant, lr) == ("attn", 3e-3) else 0.2   # val_acc at step 5
             with open(os.path.join(d, "metrics.jsonl"), "w") as f:
                 for row in ({"step": 5, "loss": 1.0}, {"step": 5, "val_acc": early}, {"step": 10, "val_acc": acc}):
                     f.write(json.dumps(row) + "\n")
+
+
+def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
+    """Planted per-seed results: the variant table (mean, bootstrap interval around it, median, count of
+    solved seeds) at each variant's best lr, and the pairs' permutation p: 2 / C(6, 3) = 0.1 for three
+    seeds that all beat three others (the smallest two-sided p there is), 1 for identical groups."""
+    from studies import seed_stats
+    body = SWEEP.replace("seeds: [0]", "seeds: [0, 1, 2]\nlrs: [1.0e-3, 3.0e-3]\nselect: val_acc").replace(
+        "  hybrid: {model.pattern: [kda, attn]}\n", "  twin: {}\n  low: {}\n")
+    sweep = ablate.load_sweep(write_sweep(tmp_path, body))
+    plant_seed_results(sweep, {("attn", 1e-3): [0.9, 0.95, 1.0], ("attn", 3e-3): [0.1, 0.2, 0.3],
+                               ("twin", 1e-3): [0.9, 0.95, 1.0], ("low", 1e-3): [0.1, 0.2, 0.3]})
     assert seed_stats.main([sweep["path"], "--solved", "0.92"]) == 0
     out = capsys.readouterr().out
     row = re.search(r"\| attn \| 3 \| 0\.001 \| 0\.950 \[(\S+), (\S+)\] \| 0\.050 \| 0\.950 \| 0\.900 - 1\.000 \| 2 / 3 \|", out)
@@ -227,3 +232,31 @@ def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
                                                "records (they have: step, val_acc)")
     assert seed_stats.main([sweep["path"], "--only", "attn,nope"]) == 2
     assert capsys.readouterr().err.startswith("error: --only nope: not a variant of this sweep (")
+
+
+def test_seed_stats_pools_sweeps(tmp_path, capsys):
+    """Two sweeps of the same runs on other seeds: each variant at its best lr in each sweep (1e-3 in the
+    first, 3e-3, the only one, in the held-out batch), its seeds pooled; 5 seeds all above 5 others give the
+    smallest p, 2 / C(10, 5). A seed in both sweeps, or a variant in neither, is one line."""
+    from studies import seed_stats
+    body = SWEEP.replace("  hybrid: {model.pattern: [kda, attn]}\n", "  low: {}\n  twin: {}\n")
+    first = ablate.load_sweep(write_sweep(tmp_path, body.replace(
+        "seeds: [0]", "seeds: [0, 1, 2]\nlrs: [1.0e-3, 3.0e-3]\nselect: val_acc")))
+    plant_seed_results(first, {("attn", 1e-3): [0.9, 0.95, 1.0], ("attn", 3e-3): [0.1, 0.2, 0.3],
+                               ("low", 1e-3): [0.1, 0.2, 0.3], ("twin", 1e-3): [0.5, 0.5, 0.5]})
+    os.makedirs(tmp_path / "held_out")
+    held_out = ablate.load_sweep(write_sweep(tmp_path / "held_out", body.replace(
+        "seeds: [0]", "seeds: [3, 4]\nlrs: [3.0e-3]\nselect: val_acc").replace("  twin: {}\n", "")))
+    plant_seed_results(held_out, {("attn", 3e-3): [0.8, 0.85], ("low", 3e-3): [0.4, 0.5]}, first_seed=3)
+    assert seed_stats.main([first["path"], held_out["path"]]) == 0
+    out = capsys.readouterr().out
+    assert "| attn | 5 | 0.001 / 0.003 | 0.900 [" in out and "| low | 5 | 0.001 / 0.003 | 0.300 [" in out, out
+    assert "| twin | 3 | 0.001 | 0.500 [" in out
+    assert "| attn - low | +0.600 [" in out and f"| {2 / math.comb(10, 5):.3f} |" in out
+    assert seed_stats.main([first["path"], held_out["path"], "--only", "attn"]) == 0
+    assert "| attn | 5 |" in capsys.readouterr().out
+    assert seed_stats.main([first["path"], first["path"]]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: attn seed 0 is in {first['path']} and {first['path']}: "
+                                               "pooled sweeps need distinct seeds")
+    assert seed_stats.main([first["path"], held_out["path"], "--only", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: --only nope: not a variant of these sweeps (attn, low, twin)")
