@@ -100,13 +100,14 @@ def run_checks(device, dry):
     return rows
 
 
-def dense_checks(device, dry, dtype, limit):
+def dense_checks(device, dry, dtype, limit, short=False):
     """Attention (causal, GQA, window, sinks, packed documents) and the delta rule (KDA and GDN gates,
-    initial and final state, packed documents, the one-token decode step)."""
+    initial and final state, packed documents, the one-token decode step). short: the GPU run's head
+    width at a short length (compile_sm90.py records its launches under the interpreter)."""
     import torch
     import torch.nn.functional as F
     import kernels
-    B, H, T, D = (1, 2, 24, 16) if dry else (2, 4, 300, 64)
+    B, H, T, D = (1, 2, 24, 16) if dry else (1, 2, 40, 64) if short else (2, 4, 300, 64)
     cu = torch.tensor([0, T // 4, 2 * T // 3, T], device=device)       # three packed documents (B = 1)
     r = lambda *s: torch.randn(*s, device=device).to(dtype)
     rows = []
@@ -137,13 +138,14 @@ def dense_checks(device, dry, dtype, limit):
     return rows
 
 
-def sparse_checks(device, dry, dtype, limit):
-    """DSA's sparse MLA attention and indexer top-k, NSA's block-sparse selection, paged decode."""
+def sparse_checks(device, dry, dtype, limit, short=False):
+    """DSA's sparse MLA attention and indexer top-k, NSA's block-sparse selection, paged decode (short: as
+    dense_checks)."""
     import torch
     import kernels
     from bench_sparse import nsa_blocks
     from kernels.torch_sparse import index_scores
-    B, T, H, Hkv, D = (1, 24, 4, 2, 16) if dry else (2, 300, 16, 4, 128)
+    B, T, H, Hkv, D = (1, 24, 4, 2, 16) if dry else (1, 100, 16, 4, 128) if short else (2, 300, 16, 4, 128)
     d_c, d_rope, top_k, HI, dI = (16, 8, 8, 2, 8) if dry else (512, 64, 64, 4, 64)
     block, n_sel = (4, 4) if dry else (32, 5)
     gen = torch.Generator(device=device).manual_seed(0)

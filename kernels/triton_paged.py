@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)   # the kernel's copy: compiled code reads only constexpr globals
 
 
 @triton.jit
@@ -32,7 +33,7 @@ def _paged_decode_kernel(Q, K, V, TABLE, LENS, SINKS, O,
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_dk, mask=offs_dk < Dk, other=0.0).to(tl.float32)
     if HAS_SINKS:
-        m_i = tl.load(SINKS + h).to(tl.float32) * LOG2E
+        m_i = tl.load(SINKS + h).to(tl.float32) * _LOG2E
         l_i = 1.0
     else:
         m_i = -float("inf")

@@ -133,3 +133,42 @@ def test_compile_bench_runs():
     out = bench_compile.main(["--models", "linear", "--d", "32", "--heads", "2", "--layers", "1", "--T", "16",
                               "--B", "2", "--steps", "1", "--repeat", "1", "--vocab", "17"])
     assert out["linear"]["graph_breaks"] == 0 and out["linear"]["compiled"] > 0
+
+
+def test_compile_sm90_compiles_recorded_launches_and_fails_loudly(tmp_path):
+    """Launches recorded under the interpreter compile for sm_90 without a GPU (ptxas ships with triton):
+    the paged decode kernel with and without sinks (with sinks it read a plain-float global, which only
+    the interpreter accepts), each with its shared memory and registers; a launch whose block size
+    tl.arange refuses makes the run exit 1 with its error, after the others."""
+    import json
+    import subprocess
+    import compile_sm90
+    import kernels
+    torch.manual_seed(0)
+    H, Hkv, D, bs = 2, 1, 16, 4
+    table, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([7, 3])
+    pools = [torch.randn(4, bs, Hkv, D) for _ in range(2)]
+    launches = {}
+    with compile_sm90.recording(launches):
+        for sinks in (None, torch.randn(H)):
+            kernels.paged_attention(torch.randn(2, 1, H, D), *pools, table, lens, sinks=sinks, backend="triton")
+    launches = list(launches.values())
+    assert [e["kernel"] for e in launches] == ["_paged_decode_kernel"] * 2
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(compile_sm90.__file__), "compile_sm90.py")
+
+    def run(entries):
+        path = tmp_path / "launches.json"
+        path.write_text(json.dumps(entries))
+        res = subprocess.run([sys.executable, script, "--launches", str(path), "--out", str(tmp_path / "rows.json")],
+                             env=env, capture_output=True, text=True, timeout=600)
+        return res.returncode, res.stdout, json.loads((tmp_path / "rows.json").read_text())
+    rc, out, rows = run(launches)
+    assert rc == 0, out
+    assert [r["constants"]["HAS_SINKS"] for r in rows] == [False, True]
+    assert all(0 < r["shared"] <= compile_sm90.SHARED_LIMIT and "REG:" in r["resources"] for r in rows), rows
+    broken = json.loads(json.dumps(launches[1]))
+    broken["args"]["BLOCK_DK"] = 24                       # tl.arange needs a power of two
+    rc, out, rows = run([broken, launches[0]])
+    assert rc == 1 and "error" in rows[0] and "shared" in rows[1], out
+    assert "FAILED: _paged_decode_kernel fp32" in out and "power of 2" in out, out
