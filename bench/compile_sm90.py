@@ -9,8 +9,9 @@ is lent. Two steps:
    backward of gpu_check's 3 KDA : 1 MLA training model (4 layers of it), and records each kernel launch's
    argument types and compile-time constants;
 2. compile: each recorded launch for GPUTarget("cuda", 90) with the launch's constants and, for an
-   autotuned kernel, each of its configs (fp16 launches as bf16, the GPU path's dtype); prints shared
-   memory, registers and spills (cuobjdump, shipped with triton) per config.
+   autotuned kernel, each of its configs (fp16 launches as bf16, the GPU path's dtype; where the host
+   code picks a block size by TRITON_INTERPRET, its GPU choice: gpu_meta); prints shared memory,
+   registers and spills (cuobjdump, shipped with triton) per config.
 
 Exit 1 when a kernel fails to compile at some config, or no config of a launch fits an H100/H200 block's
 227 KB of shared memory (a config over it alone is only reported: the autotuner skips it on the GPU).
@@ -105,6 +106,25 @@ def train_model_launches():
 
 # ------------------------------------------------------------------ 2. compile for sm_90
 
+def gpu_meta(entry):
+    """What the host code picks differently on a GPU for a kernel that is not autotuned: the recorded
+    interpreter choice replaced by the GPU's (the kernels' own functions say both)."""
+    from kernels import triton_attention, triton_sparse
+    args = entry["args"]
+    if entry["kernel"] == "_bwd_delta_kernel":
+        return triton_attention.bwd_delta_meta(interpret=False)
+    if entry["kernel"] == "_index_topk_kernel":
+        return triton_sparse.index_topk_meta(args["KP"], interpret=False)
+    return {}
+
+
+def on_gpu(entry):
+    """The recorded launch as the GPU would make it (gpu_meta's choices; num_warps/num_stages as options)."""
+    meta = gpu_meta(entry)
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages") if k in meta}
+    return {**entry, "args": {**entry["args"], **meta}, "options": {**entry["options"], **options}}
+
+
 def kernel_and_configs(entry):
     """The JITFunction of a recorded launch and the configs its autotuner tries ([None] if it has none)."""
     import triton
@@ -192,7 +212,7 @@ def compile_all(launches, only=None, jobs=1):
     once: launches that differ only in sizes and strides compile to the same kernel. Returns the rows and a
     line per launch that failed (a config that does not compile, or none that fits)."""
     work, done = [], set()
-    for entry in launches:
+    for entry in map(on_gpu, launches):
         if only and only not in entry["kernel"]:
             continue
         fn, configs = kernel_and_configs(entry)

@@ -485,13 +485,18 @@ def _forward(q, k, v, window, sinks, scale, docs=(None, None)):
     return o, lse2
 
 
+def bwd_delta_meta(interpret=INTERPRET):
+    """The row-sum kernel's block (not autotuned): small under the interpreter."""
+    return dict(BLOCK_M=16 if interpret else 64)
+
+
 def _backward(do, q, k, v, o, lse2, window, sinks, scale, docs=(None, None)):
     """Gradients from the saved (o, lse2). Returns (dq, dk, dv, d_sinks or None)."""
     B, T, S, Hq, Hkv, Dk, Dv, window, scale, shape_args = _common(q, k, v, window, scale)
     delta = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
-    delta_block = 16 if INTERPRET else 64
-    _bwd_delta_kernel[(triton.cdiv(T, delta_block), B * Hq)](
-        o, do, delta, *o.stride(), *do.stride(), T, Hq, Dv, BLOCK_M=delta_block, BLOCK_DV=_head_block(Dv))
+    meta = bwd_delta_meta()
+    _bwd_delta_kernel[(triton.cdiv(T, meta["BLOCK_M"]), B * Hq)](
+        o, do, delta, *o.stride(), *do.stride(), T, Hq, Dv, BLOCK_DV=_head_block(Dv), **meta)
 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)

@@ -292,17 +292,29 @@ def _index_topk_kernel(IQ, IW, IK, OUT,
         key = (ordered.to(tl.int64) << 32) | k_pos[None, :].to(tl.int64)                # (score, position)
         seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < S)
         key = tl.where(seen, key, -9223372036854775808)                                 # [BM, BN]
-        # merge only when some row gains a key (once the lists are full, most tiles are skipped): the
-        # tile padded to KP entries with "nothing" (int64 min), sorted ascending; its max with the
-        # descending running list is the top KP of both (a bitonic half-cleaner), sorted again
-        gains = tl.max(key, 1) > tl.min(top, 1)                                         # [BM]
-        if tl.max(gains.to(tl.int32), 0) > 0:
+        # the tile sorted ascending (padded to KP entries with "nothing", int64 min, when KP > BLOCK_N); its
+        # max with the descending running list is the top KP of both (a bitonic half-cleaner), sorted again.
+        # Where the tile is the list's length, merge only when some row gains a key (once the lists are full,
+        # most tiles are skipped); the padded merge stays unconditional: on sm_90 in bf16 Triton 3.9 cannot
+        # compile that `if` around the reshape (a layout mismatch; bench/compile_sm90.py)
+        if KP == BLOCK_N:
+            gains = tl.max(key, 1) > tl.min(top, 1)                                     # [BM]
+            if tl.max(gains.to(tl.int32), 0) > 0:
+                top = tl.sort(tl.maximum(top, tl.sort(key, 1, descending=False)), 1, descending=True)
+        else:
             pad = tl.where(slot[None, :, None] == 0, key[:, None, :], -9223372036854775808)  # [BM, R, BN]
             pad = tl.sort(tl.reshape(pad, [BLOCK_M, KP]), 1, descending=False)
             top = tl.sort(tl.maximum(top, pad), 1, descending=True)
     col = tl.arange(0, KP)
     out = tl.where(top == -9223372036854775808, -1, top - ((top >> 32) << 32))         # low 32 bits; unfilled: -1
     tl.store(OUT + (b * T + t[:, None]) * K + col[None, :], out, mask=t_in[:, None] & (col[None, :] < K))
+
+
+def index_topk_meta(KP, interpret=INTERPRET):
+    """The top-k kernel's key tile and warps (not autotuned): 16-key tiles under the interpreter."""
+    if interpret:
+        return dict(BLOCK_N=min(KP, 16))
+    return dict(BLOCK_N=min(KP, 128), num_warps=8 if KP >= 1024 else 4)
 
 
 @torch.library.custom_op("hybrid::index_topk", mutates_args=())
@@ -312,12 +324,10 @@ def _index_topk_op(iq: torch.Tensor, iw: torch.Tensor, ik: torch.Tensor, k: int)
     out = torch.empty(B, T, k, device=iq.device, dtype=torch.int64)
     block_m = 16
     kp = max(16, triton.next_power_of_2(k))
-    block_n = min(kp, 16 if INTERPRET else 128)
     with _on_device(iq):
         _index_topk_kernel[(triton.cdiv(T, block_m), B)](
             iq, iw, ik, out, *iq.stride(), *iw.stride(), *ik.stride(), T, S, HI, DI, k, DI ** -0.5,
-            PRECISION=_precision(iq), BLOCK_M=block_m, BLOCK_N=block_n, KP=kp, BLOCK_D=_head_block(DI),
-            **({} if INTERPRET else dict(num_warps=8 if kp >= 1024 else 4)))
+            PRECISION=_precision(iq), BLOCK_M=block_m, KP=kp, BLOCK_D=_head_block(DI), **index_topk_meta(kp))
     return out
 
 
