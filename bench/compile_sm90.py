@@ -263,9 +263,16 @@ def main(argv=None):
         path = args.launches or os.path.join(tmp, "launches.json")
         if not os.path.exists(path):
             env = {**os.environ, "TRITON_INTERPRET": "1"}
-            subprocess.run([sys.executable, os.path.abspath(__file__), "--record", path], env=env, check=True)
+            if subprocess.run([sys.executable, os.path.abspath(__file__), "--record", path], env=env).returncode:
+                print("error: compile_sm90: recording the launches under the interpreter failed (above)",
+                      file=sys.stderr)
+                return 2
         with open(path) as f:
             launches = json.load(f)
+    if args.only and not any(args.only in e["kernel"] for e in launches):
+        print(f"error: --only {args.only}: no recorded kernel's name contains it "
+              f"({', '.join(sorted({e['kernel'] for e in launches}))})", file=sys.stderr)
+        return 2
     print(f"{len(launches)} distinct launches of {len({e['kernel'] for e in launches})} kernels "
           f"({time.time() - t0:.0f} s)", flush=True)
     rows, failed = compile_all(launches, args.only, args.jobs)
