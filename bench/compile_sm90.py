@@ -125,6 +125,15 @@ def on_gpu(entry):
     return {**entry, "args": {**entry["args"], **meta}, "options": {**entry["options"], **options}}
 
 
+def is_half(entry):
+    return any(isinstance(v, dict) and v["ptr"] == "fp16" for v in entry["args"].values())
+
+
+def fits(row):
+    """Compiled, and within one block's shared memory."""
+    return "error" not in row and row["shared"] <= SHARED_LIMIT
+
+
 def kernel_and_configs(entry):
     """The JITFunction of a recorded launch and the configs its autotuner tries ([None] if it has none)."""
     import triton
@@ -134,8 +143,10 @@ def kernel_and_configs(entry):
     return obj, [None]
 
 
-def signature_of(fn, args, config, half):
-    """ASTSource's signature and constants: the launch's arguments, the config's meta-parameters over them."""
+def signature_of(fn, entry, config):
+    """ASTSource's signature and constants: the launch's arguments, the config's meta-parameters over them
+    (fp16 pointers as bf16)."""
+    args, half = entry["args"], is_half(entry)
     meta = dict(config.kwargs) if config is not None else {}
     signature, constants = {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
@@ -176,10 +187,6 @@ def resources(cubin):
                     if w.startswith(("REG", "STACK")))
 
 
-def is_half(entry):
-    return any(isinstance(v, dict) and v["ptr"] == "fp16" for v in entry["args"].values())
-
-
 def compile_one(entry, i):
     """Compile a recorded launch at its kernel's i-th config: a row with shared memory and registers, or
     with the error."""
@@ -189,7 +196,7 @@ def compile_one(entry, i):
     fn, configs = kernel_and_configs(entry)
     config = configs[i]
     meta = config.kwargs if config is not None else {}
-    signature, constants = signature_of(fn, entry["args"], config, is_half(entry))
+    signature, constants = signature_of(fn, entry, config)
     options = {"num_warps": 4, "num_stages": 3, **entry["options"]}
     if config is not None:
         options.update(num_warps=config.num_warps, num_stages=config.num_stages)
@@ -216,28 +223,26 @@ def compile_all(launches, only=None, jobs=1):
         if only and only not in entry["kernel"]:
             continue
         fn, configs = kernel_and_configs(entry)
-        key = (entry["kernel"], repr(signature_of(fn, entry["args"], None, is_half(entry))), repr(entry["options"]))
+        key = (entry["kernel"], repr(signature_of(fn, entry, None)), repr(entry["options"]))
         if key not in done:
             done.add(key)
             work += [(entry, i, len(configs)) for i in range(len(configs))]
     with concurrent.futures.ProcessPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
         args = [w[0] for w in work], [w[1] for w in work]
         results = pool.map(compile_one, *args) if pool else map(compile_one, *args)
-        rows, failed, mine = [], [], []
+        rows, failed = [], []
         for (entry, i, n), row in zip(work, results):
+            launch = f"{row['kernel']} {row['dtype']} {json.dumps(row['constants'], sort_keys=True)}"
             if i == 0:
-                print(f"{row['kernel']} {row['dtype']} {json.dumps(row['constants'], sort_keys=True)}")
-            fits = "error" not in row and row["shared"] <= SHARED_LIMIT
-            status = ("FAILED " + row["error"] if "error" in row else
-                      f"shared={row['shared']:6d} {row['resources']}" + ("" if fits else "  (over 227 KB: skipped)"))
+                print(launch)
+                mine = []                                      # this launch's rows, one per config
+            status = ("FAILED " + row["error"] if "error" in row else f"shared={row['shared']:6d} {row['resources']}"
+                      + ("" if fits(row) else "  (over 227 KB: skipped)"))
             print(f"    {json.dumps(row['config'], sort_keys=True):62s} {status}", flush=True)
             rows.append(row)
             mine.append(row)
-            if i == n - 1:                                     # the launch's last config
-                if any("error" in r for r in mine) or not any(r.get("shared", SHARED_LIMIT + 1) <= SHARED_LIMIT
-                                                              for r in mine):
-                    failed.append(f"{row['kernel']} {row['dtype']} {json.dumps(row['constants'], sort_keys=True)}")
-                mine = []
+            if i == n - 1 and (any("error" in r for r in mine) or not any(map(fits, mine))):
+                failed.append(launch)
     return rows, failed
 
 
