@@ -135,11 +135,13 @@ def fits(row):
 
 
 def kernel_and_configs(entry):
-    """The JITFunction of a recorded launch and the configs its autotuner tries ([None] if it has none)."""
+    """The JITFunction of a recorded launch and the configs its autotuner tries ([None] if it has none):
+    all of them, or the first for exact fp32 dots (kernels/triton_autotune.py)."""
     import triton
+    from kernels.triton_autotune import exact_fp32
     obj = getattr(importlib.import_module(entry["module"]), entry["kernel"])
     if isinstance(obj, triton.runtime.Autotuner):
-        return obj.fn, obj.configs
+        return obj.fn, obj.configs[:1] if exact_fp32(entry["args"]) else obj.configs
     return obj, [None]
 
 
@@ -203,12 +205,14 @@ def compile_one(entry, i):
     row = {"kernel": entry["kernel"], "dtype": "bf16" if is_half(entry) else "fp32",
            "config": {**meta, **options},
            "constants": {p.name: entry["args"].get(p.name) for p in fn.params if p.is_constexpr and p.name not in meta}}
+    t0 = time.perf_counter()
     try:
         out = triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
                              options=options)
     except Exception as e:  # a kernel that does not compile: its row says why, the rest still compile
         row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
         return row
+    row["compile_s"] = round(time.perf_counter() - t0, 2)       # ~0 when triton's cache already had it
     row["shared"] = out.metadata.shared
     row["resources"] = resources(out.asm["cubin"])
     return row
@@ -237,7 +241,7 @@ def compile_all(launches, only=None, jobs=1):
                 print(launch)
                 mine = []                                      # this launch's rows, one per config
             status = ("FAILED " + row["error"] if "error" in row else f"shared={row['shared']:6d} {row['resources']}"
-                      + ("" if fits(row) else "  (over 227 KB: skipped)"))
+                      + f" {row['compile_s']:5.1f} s" + ("" if fits(row) else "  (over 227 KB: skipped)"))
             print(f"    {json.dumps(row['config'], sort_keys=True):62s} {status}", flush=True)
             rows.append(row)
             mine.append(row)
@@ -284,6 +288,11 @@ def main(argv=None):
     print(f"compiled {len(rows)} kernel configs for sm_90 in {time.time() - t0:.0f} s; "
           f"{sum('error' in r for r in rows)} failed, "
           f"{sum(r.get('shared', 0) > SHARED_LIMIT for r in rows)} over 227 KB of shared memory")
+    for dtype in ("fp32", "bf16"):   # what one core spends compiling (0 for what triton's cache already had)
+        times = sorted(r.get("compile_s", 0) for r in rows if r["dtype"] == dtype)
+        if times:
+            print(f"  {dtype}: {len(times)} configs, {sum(times) / 60:.1f} min of compiling on one core, "
+                  f"median {times[len(times) // 2]:.1f} s, slowest {times[-1]:.1f} s")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -4,15 +4,20 @@ all written to one JSON file. bench/gpu_check.sh calls it; see there.
     python bench/gpu_check.py --out gpu_check.json             # on a CUDA GPU (under ~8 minutes)
     python bench/gpu_check.py --dry-run --out /tmp/check.json  # CPU: tiny shapes, Triton interpreter
 
-Sections (each recorded in the JSON, in this order):
-  checks  every Triton op against its torch path on the same device, fp32 and bf16 (fp16 in --dry-run:
-          the interpreter has no bf16 arithmetic), forward AND the
+Sections (each recorded in the JSON, in this order: the most wanted first):
+  checks  every Triton op against its torch path on the same device, bf16 (fp16 in --dry-run: the
+          interpreter has no bf16 arithmetic) then fp32, forward AND the
           gradients of every input: attention (causal, GQA, window, sinks, packed documents),
           delta_rule (per-channel and per-head gate, initial state, final state, packed documents),
           delta_rule_step, DSA's sparse_mla_attention and index_topk (the scores of the keys each
           path selected: ties may break differently), NSA's block_sparse_attention, paged decode (with
-          and without a window and sinks). Error = max |a - b| / max |b|; limits: fp32 2e-3 (Triton's
-          fp32 dots use TF32 on GPU), bf16 3e-2. An op that raises is a failed row with its error.
+          and without a window and sinks). Error = max |a - b| / max |b|; limits: fp32 2e-3, bf16 3e-2.
+          An op that raises is a failed row with its error. Each row's seconds ("s") include the
+          compiles of its kernels (every autotune config; kernels/triton_autotune.py compiles them in
+          parallel, HYBRID_COMPILE_THREADS threads, default every core).
+  train   steps of a 3 KDA : 1 MLA model (d=768, 12 layers, ~125M parameters; tiny in --dry-run),
+          bf16 autocast on CUDA, fused AdamW; tokens/s over the steps after warm-up and MFU
+          (cost.py's FLOPs per token over the device's dense bf16 peak).
   kernels forward+backward ms: attention (triton, SDPA flash backend, flash_attn if installed), the
           delta rule (triton, torch, flash-linear-attention if installed), and bench_sparse.py's rows
           at T=8192 (NSA selection, DSA sparse MLA, each against dense attention; the indexer's
@@ -21,11 +26,11 @@ Sections (each recorded in the JSON, in this order):
           backend under torch.compile(fullgraph=True, Inductor): a graph break or an error fails; loss
           and gradients against eager (fp32 limit), compile time, eager vs compiled tokens/s. In
           --dry-run: kda+mla only, with aot_eager.
-  train   steps of a 3 KDA : 1 MLA model (d=768, 12 layers, ~125M parameters; tiny in --dry-run),
-          bf16 autocast on CUDA, fused AdamW; tokens/s over the steps after warm-up and MFU
-          (cost.py's FLOPs per token over the device's dense bf16 peak).
-Exit status: 0 when every check passes; 1 when a kernel is wrong or raises, or a section fails (the
-JSON still says which, and holds every other section's results); 2 without CUDA and without --dry-run.
+The JSON is rewritten after every row, so a run cut short (a machine's time limit) keeps what it measured.
+Work that would start after --budget seconds (default 420) is skipped and listed under "skipped".
+Exit status: 0 when every check ran and passed; 1 when a kernel is wrong or raises, a section fails, or
+something was skipped for time (the JSON says which, and holds every other result); 2 without CUDA and
+without --dry-run.
 """
 import argparse
 import json
@@ -45,6 +50,9 @@ def parse_args(argv):
                    help="CPU, tiny shapes, Triton under the interpreter: checks the driver, not the GPU")
     p.add_argument("--train-steps", type=int, default=50)
     p.add_argument("--skip", nargs="*", default=[], choices=["checks", "kernels", "compile", "train"])
+    p.add_argument("--budget", type=float, default=420,
+                   help="seconds: work that would start later is skipped and named, and the run exits 1 "
+                        "(default 420; every finished row is already in --out)")
     return p.parse_args(argv)
 
 
@@ -86,24 +94,69 @@ def _compare(name, fn, inputs, dtype, limit, grad):
             "ok": ok}
 
 
-def run_checks(device, dry):
+class Progress:
+    """Where the run stands. Each finished row goes to --out at once, so a run cut short (a time limit, a
+    crash) keeps what it measured; work that would start after --budget seconds is skipped, and named."""
+
+    def __init__(self, report, out=None, budget=float("inf")):
+        self.report, self.out, self.budget, self.t0 = report, out, budget, time.perf_counter()
+        self.skipped = []
+
+    def elapsed(self):
+        return time.perf_counter() - self.t0
+
+    def over(self, what):
+        """True once the budget is spent; `what` is then recorded as skipped."""
+        if self.elapsed() <= self.budget:
+            return False
+        self.skipped.append(what)
+        return True
+
+    def save(self):
+        if self.out is not None:
+            from data.tokens import DataError, atomic_write
+            self.report.update(wall_s=self.elapsed(), skipped=self.skipped)
+            try:
+                atomic_write(self.out, lambda f: json.dump(self.report, f, indent=2), mode="w")
+            except DataError:  # main's last write says so, and prints the report instead
+                pass
+
+
+def run_checks(device, dry, progress=None):
+    """Every op check at bf16 (fp16 in --dry-run: the interpreter has no bf16) and fp32, each row printed,
+    timed (its compiles included) and saved as it finishes."""
     import torch
+    progress = progress or Progress({})
     torch.manual_seed(0)
-    rows = []
-    for dtype in (torch.float32, torch.float16 if dry else torch.bfloat16):  # the interpreter has no bf16
+    rows = progress.report["checks"] = []
+
+    def check(name, fn, inputs, dtype, limit, grad=True):
+        label = f"{name} {str(dtype).replace('torch.', '')}"
+        if progress.over(f"check {label}"):
+            row = {"name": name, "dtype": str(dtype).replace("torch.", ""), "ok": None, "skipped": "time budget"}
+            print(f"  skip {label} (over the time budget)", flush=True)
+        else:
+            t0 = time.perf_counter()
+            row = compare(name, fn, inputs, dtype, limit, grad)
+            row["s"] = round(time.perf_counter() - t0, 2)
+            print(f"  {'ok  ' if row['ok'] else 'FAIL'} {row['name']:<32} {row['dtype']:<9} "
+                  f"max rel err {row['max_rel_err']:.2e} (limit {row['limit']:.0e}) {row['s']:6.1f} s"
+                  + (f"  {row['error']}" if "error" in row else ""), flush=True)
+        rows.append(row)
+        progress.save()
+        return row
+    for dtype in (torch.float16 if dry else torch.bfloat16, torch.float32):  # training's dtype first
         limit = LIMITS[str(dtype).replace("torch.", "")]
-        rows += dense_checks(device, dry, dtype, limit) + sparse_checks(device, dry, dtype, limit)
-    for row in rows:
-        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {row['name']:<32} {row['dtype']:<9} "
-              f"max rel err {row['max_rel_err']:.2e} (limit {row['limit']:.0e})"
-              + (f"  {row['error']}" if "error" in row else ""), flush=True)
+        dense_checks(device, dry, dtype, limit, check=check)
+        sparse_checks(device, dry, dtype, limit, check=check)
     return rows
 
 
-def dense_checks(device, dry, dtype, limit, short=False):
+def dense_checks(device, dry, dtype, limit, short=False, check=compare):
     """Attention (causal, GQA, window, sinks, packed documents) and the delta rule (KDA and GDN gates,
     initial and final state, packed documents, the one-token decode step). short: the GPU run's head
-    width at a short length (compile_sm90.py records its launches under the interpreter)."""
+    width at a short length (compile_sm90.py records its launches under the interpreter). check: compare,
+    or run_checks' wrapper of it. Returns the rows."""
     import torch
     import torch.nn.functional as F
     import kernels
@@ -116,9 +169,9 @@ def dense_checks(device, dry, dtype, limit, short=False):
         inputs = [r(B, T, H, D), r(B, T, Hkv, D), r(B, T, Hkv, D)]
         sink = torch.randn(H, device=device) if sinks else None
         fn = lambda q, k, v, backend: kernels.attention(q, k, v, window=window, sinks=sink, backend=backend)
-        rows.append(compare(name, fn, inputs, dtype, limit))
+        rows.append(check(name, fn, inputs, dtype, limit))
     fn = lambda q, k, v, backend: kernels.attention(q, k, v, cu_seqlens=cu, backend=backend)
-    rows.append(compare("attention packed", fn, [r(1, T, H, D), r(1, T, 1, D), r(1, T, 1, D)], dtype, limit))
+    rows.append(check("attention packed", fn, [r(1, T, H, D), r(1, T, 1, D), r(1, T, 1, D)], dtype, limit))
     for per_channel in (True, False):
         def delta_inputs(B):
             q, k = (F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).to(dtype) for _ in range(2))
@@ -128,17 +181,17 @@ def dense_checks(device, dry, dtype, limit, short=False):
         S0 = torch.randn(B, H, D, D, device=device)
         fn = lambda q, k, v, g, beta, S0, backend: kernels.delta_rule(
             q, k, v, g, beta, initial_state=S0, output_final_state=True, backend=backend)
-        rows.append(compare(f"delta_rule {kind}", fn, delta_inputs(B) + [S0], dtype, limit))
+        rows.append(check(f"delta_rule {kind}", fn, delta_inputs(B) + [S0], dtype, limit))
         fn = lambda q, k, v, g, beta, backend: kernels.delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend=backend)
-        rows.append(compare(f"delta_rule {kind} packed", fn, delta_inputs(1), dtype, limit))
+        rows.append(check(f"delta_rule {kind} packed", fn, delta_inputs(1), dtype, limit))
         step = lambda q, k, v, g, beta, S0, backend: (kernels.delta_rule_step(
             q, k, v, g, beta, S := S0.detach().clone(), backend=backend), S)
-        rows.append(compare(f"delta_rule_step {kind}", step, [x[:, 0] for x in delta_inputs(B)] + [S0],
+        rows.append(check(f"delta_rule_step {kind}", step, [x[:, 0] for x in delta_inputs(B)] + [S0],
                             dtype, limit, grad=False))   # decode: in place, no autograd
     return rows
 
 
-def sparse_checks(device, dry, dtype, limit, short=False):
+def sparse_checks(device, dry, dtype, limit, short=False, check=compare):
     """DSA's sparse MLA attention and indexer top-k, NSA's block-sparse selection, paged decode (short: as
     dense_checks)."""
     import torch
@@ -157,7 +210,7 @@ def sparse_checks(device, dry, dtype, limit, short=False):
     Dk = d_c + d_rope
     fn = lambda q, kv, idx, backend: kernels.sparse_mla_attention(q, kv, idx, d_v=d_c, scale=Dk ** -0.5,
                                                                   backend=backend)
-    rows.append(compare("sparse_mla_attention (dsa)", fn, [r(B, T, H, Dk), r(B, T, Dk), idx], dtype, limit))
+    rows.append(check("sparse_mla_attention (dsa)", fn, [r(B, T, H, Dk), r(B, T, Dk), idx], dtype, limit))
     # the indexer: the two paths may break near-ties differently, so compare the scores they selected
     iq, iw, ik = r(B, T, HI, dI), r(B, T, HI), r(B, T, dI)
     scores, pos = index_scores(iq, iw, ik), torch.arange(T, device=device).view(1, T, 1)
@@ -166,10 +219,10 @@ def sparse_checks(device, dry, dtype, limit, short=False):
         sel = kernels.index_topk(iq, iw, ik, top_k, backend=backend)
         valid = (sel >= 0) & (sel <= pos)
         return scores.gather(-1, sel.clamp(0, T - 1)).masked_fill(~valid, 0), valid.float()
-    rows.append(compare("index_topk (dsa)", selected, [iq, iw, ik], dtype, limit, grad=False))
+    rows.append(check("index_topk (dsa)", selected, [iq, iw, ik], dtype, limit, grad=False))
     blocks = nsa_blocks(B, T, Hkv, n_sel, block, device, gen)
     fn = lambda q, k, v, backend: kernels.block_sparse_attention(q, k, v, blocks, block, backend=backend)
-    rows.append(compare("block_sparse_attention (nsa)", fn, [r(B, T, H, D), r(B, T, Hkv, D), r(B, T, Hkv, D)],
+    rows.append(check("block_sparse_attention (nsa)", fn, [r(B, T, H, D), r(B, T, Hkv, D), r(B, T, Hkv, D)],
                         dtype, limit))
     # paged decode: 3 rows of T, T // 3 and 1 keys, their blocks scattered over one pool
     lens = torch.tensor([T, T // 3, 1], device=device)
@@ -180,7 +233,7 @@ def sparse_checks(device, dry, dtype, limit, short=False):
                                                                 torch.randn(H, device=device, generator=gen))):
         fn = lambda q, kp, vp, backend: kernels.paged_attention(q, kp, vp, table, lens, window=window, sinks=sinks,
                                                                 backend=backend)
-        rows.append(compare(name, fn, [r(3, 1, H, D)] + pools, dtype, limit, grad=False))
+        rows.append(check(name, fn, [r(3, 1, H, D)] + pools, dtype, limit, grad=False))
     return rows
 
 
@@ -195,15 +248,25 @@ def time_ms(fn, inputs):
     return do_bench(run, warmup=5, rep=40)
 
 
-def run_kernels(device):
-    """Forward+backward ms of the Triton kernels and their baselines, bf16."""
+def run_kernels(device, progress=None):
+    """Forward+backward ms of the Triton kernels and their baselines, bf16; each row saved as it finishes,
+    none started after the time budget."""
     import torch
     import torch.nn.functional as F
     import kernels
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    rows = []
+    progress = progress or Progress({})
+    rows = progress.report["kernels"] = []
+
+    def done(row):
+        print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+        rows.append(row)
+        progress.save()
     B, H, D = 4, 16, 128
     for T in (2048, 8192):
+        if progress.over(f"kernels attention T={T}"):
+            continue
         x = lambda: torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16, requires_grad=True)
         q, k, v = x(), x(), x()
         row = {"op": "attention causal", "B": B, "T": T, "H": H, "D": D,
@@ -219,8 +282,10 @@ def run_kernels(device):
             row["flash_attn_ms"] = time_ms(lambda q, k, v: flash_attn_func(q, k, v, causal=True), [q, k, v])
         except ImportError:
             row["flash_attn_ms"] = "not installed"
-        rows.append(row)
+        done(row)
     for T in (2048, 8192):
+        if progress.over(f"kernels delta_rule T={T}"):
+            continue
         q, k = (F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).to(torch.bfloat16).requires_grad_()
                 for _ in range(2))
         v = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -236,24 +301,25 @@ def run_kernels(device):
             row["fla_ms"] = time_ms(lambda q, k, v, g, beta: chunk_kda(q, k, v, g, beta)[0], inputs)
         except ImportError:
             row["fla_ms"] = "not installed"
-        rows.append(row)
-    rows += sparse_kernels(device)
-    for row in rows:
-        print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-              flush=True)
+        done(row)
+    for row in sparse_kernels(device, progress=progress):
+        done(row)
     return rows
 
 
-def sparse_kernels(device, seqlens=(8192,)):
+def sparse_kernels(device, seqlens=(8192,), progress=None):
     """bench_sparse.py's rows at its default (paper-sized) shapes: NSA selection and DSA's sparse MLA
-    against dense attention, the indexer's top-k. A kernel that raises is a row with "error"."""
+    against dense attention, the indexer's top-k: yields a row per case; a kernel that raises is a row
+    with "error"."""
     import torch
     from triton.testing import do_bench
     import bench_sparse
     a = bench_sparse.parse_args([])
-    rows = []
+    progress = progress or Progress({})
     for T in seqlens:
         for name, (fn, inputs) in bench_sparse.cases(a, T, device, torch.bfloat16).items():
+            if progress.over(f"kernels sparse {name} T={T}"):
+                continue
             row = {"op": f"sparse {name}", "T": T}
             try:
                 with torch.no_grad():
@@ -262,9 +328,8 @@ def sparse_kernels(device, seqlens=(8192,)):
                     else "forward only"
             except Exception as e:  # recorded, and main fails the run on it
                 row["error"] = error_line(e)
-            rows.append(row)
+            yield row
         torch.cuda.empty_cache()
-    return rows
 
 
 def train_model_config(dry):
@@ -342,15 +407,18 @@ def compile_model_config(pattern, d=32, heads=2, vocab=32):
                                       mlp={"kind": "swiglu", "hidden": 2 * d}))
 
 
-def run_compile(device, dry):
+def run_compile(device, dry, progress=None):
     """Each mixer family on the triton backend under torch.compile(fullgraph=True) (a graph break is an
     error): loss and every gradient against eager (fp32), compile time, and eager vs compiled training
     tokens/s. Inductor on CUDA; in --dry-run one family with aot_eager (the interpreter has no codegen)."""
     import torch
     from model import GPT
     d, heads, B, T, families = (32, 2, 1, 20, ["kda+mla"]) if dry else (256, 4, 4, 1024, list(COMPILE_FAMILIES))
-    rows = []
+    progress = progress or Progress({})
+    rows = progress.report["compile"] = []
     for name in families:
+        if progress.over(f"compile {name}"):
+            continue
         row = {"family": name, "B": B, "T": T}
         try:
             torch.manual_seed(0)
@@ -385,6 +453,7 @@ def run_compile(device, dry):
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
             if k not in ("family", "ok")), flush=True)
         rows.append(row)
+        progress.save()
     return rows
 
 
@@ -412,12 +481,17 @@ def main(argv=None):
         report["triton"] = triton.__version__
     except ImportError:
         report["triton"] = None
-    t_start = time.perf_counter()
+    report["compile_threads"] = os.environ.get("HYBRID_COMPILE_THREADS") or os.cpu_count()
+    progress = Progress(report, args.out, args.budget)
     failed = []
 
     def section(name, title, work):
-        """One section into the report (and returned); an exception fails the run, the others still run."""
+        """One section into the report (and returned); an exception fails the run, the others still run;
+        none starts after the time budget."""
+        if name in args.skip or progress.over(name):
+            return None
         print(title, flush=True)
+        t0 = time.perf_counter()
         try:
             report[name] = work()
             return report[name]
@@ -425,35 +499,40 @@ def main(argv=None):
             report[name] = {"error": error_line(e)}
             failed.append(f"{name}: {report[name]['error']}")
             print(f"  FAIL {report[name]['error']}", flush=True)
+        finally:
+            report.setdefault("section_s", {})[name] = round(time.perf_counter() - t0, 1)
+            progress.save()
 
-    if "checks" not in args.skip:
-        rows = section("checks", "checks: Triton ops vs torch paths", lambda: run_checks(device, args.dry_run))
-        failed += [f"{r['name']} {r['dtype']}" for r in rows or [] if not r["ok"]]
-    if "kernels" not in args.skip and not args.dry_run:
-        rows = section("kernels", "kernels: forward+backward ms (bf16)", lambda: run_kernels(device))
+    # most wanted first: correctness, then the training run's tokens/s and MFU, then kernel speed, compile
+    rows = section("checks", "checks: Triton ops vs torch paths", lambda: run_checks(device, args.dry_run, progress))
+    failed += [f"{r['name']} {r['dtype']}" for r in rows or [] if r["ok"] is False]
+    row = section("train", "train: 3 KDA : 1 MLA",
+                  lambda: run_train(device, args.dry_run, 3 if args.dry_run else args.train_steps))
+    if row is not None and not row["finite"]:
+        failed.append("train: non-finite loss")
+    if not args.dry_run:
+        rows = section("kernels", "kernels: forward+backward ms (bf16)", lambda: run_kernels(device, progress))
         failed += [f"{r['op']} T={r['T']}: {r['error']}" for r in rows or [] if "error" in r]
-    if "compile" not in args.skip:
-        rows = section("compile", "compile: torch.compile(fullgraph=True) vs eager, triton backend",
-                       lambda: run_compile(device, args.dry_run))
-        failed += [f"compile {r['family']}" + (f": {r['error']}" if "error" in r else "") for r in rows or []
-                   if not r["ok"]]
-    if "train" not in args.skip:
-        row = section("train", "train: 3 KDA : 1 MLA",
-                      lambda: run_train(device, args.dry_run, 3 if args.dry_run else args.train_steps))
-        if row is not None and not row["finite"]:
-            failed.append("train: non-finite loss")
+    rows = section("compile", "compile: torch.compile(fullgraph=True) vs eager, triton backend",
+                   lambda: run_compile(device, args.dry_run, progress))
+    failed += [f"compile {r['family']}" + (f": {r['error']}" if "error" in r else "") for r in rows or []
+               if not r["ok"]]
     report["failed"] = failed
-    report["ok"] = not failed
-    report["wall_s"] = time.perf_counter() - t_start
+    report["ok"] = not failed and not progress.skipped
+    report["wall_s"] = progress.elapsed()
+    report["skipped"] = progress.skipped
     try:
         atomic_write(args.out, lambda f: json.dump(report, f, indent=2), mode="w")
     except DataError as e:  # the report still reaches the terminal
         print(json.dumps(report, indent=2))
         print(f"error: {e}; the report is printed above", file=sys.stderr)
         return 2
-    print(f"wrote {args.out} in {report['wall_s']:.0f} s: " + ("all checks passed" if not failed else
-                                                              "FAILED: " + "; ".join(failed)))
-    return 0 if not failed else 1
+    print(f"wrote {args.out} in {report['wall_s']:.0f} s: " + ("FAILED: " + "; ".join(failed) if failed else
+                                                              "all checks passed" if not progress.skipped else
+                                                              "no check failed"))
+    if progress.skipped:
+        print(f"INCOMPLETE: over the {args.budget:g} s budget (--budget), skipped: " + "; ".join(progress.skipped))
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_autotune import autotune
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # The interpreter has no autotuner (it needs a GPU driver): one small fixed config.
@@ -60,6 +62,7 @@ def _configs(pairs):
             for bm, bn, w, st in pairs]
 
 
+# first: what exact fp32 launches use untuned (kernels/triton_autotune.py), the one spilling least (none forward)
 _FWD_CONFIGS = _configs([(16, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
                          (128, 128, 8, 2), (64, 32, 4, 2)])
 _BWD_CONFIGS = _configs([(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2),
@@ -76,7 +79,7 @@ def _prune_for_short_queries(configs, named_args, **kwargs):
 def _autotune(configs, prune=None):
     if INTERPRET:
         return lambda fn: fn
-    return triton.autotune(configs, key=["T_BUCKET", "S_BUCKET", "BLOCK_DK", "BLOCK_DV", "HAS_SINKS", "HAS_DOCS"],
+    return autotune(configs, key=["T_BUCKET", "S_BUCKET", "BLOCK_DK", "BLOCK_DV", "HAS_SINKS", "HAS_DOCS"],
                            prune_configs_by={"early_config_prune": prune} if prune else None)
 
 

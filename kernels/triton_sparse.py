@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import INTERPRET, LN2, _on_device
+from .triton_autotune import autotune
 
 LOG2E_ = 1.4426950408889634
 INT64_MIN = -(2 ** 63)
@@ -52,7 +53,7 @@ def _autotune(configs, key, **kw):
     """Autotune on a GPU; the interpreter has no autotuner: the launcher passes one fixed config."""
     if INTERPRET:
         return lambda fn: fn
-    return triton.autotune(configs, key=key, **kw)
+    return autotune(configs, key=key, **kw)
 
 
 def _fixed(**meta):
@@ -61,6 +62,7 @@ def _fixed(**meta):
 
 # ================================================================== DSA: sparse MLA attention
 
+# first: what exact fp32 launches use untuned (kernels/triton_autotune.py), the one spilling least
 _MLA_CONFIGS = [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=st)
                 for bh, bk, w, st in [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2)]]
 _MLA_INTERPRET = dict(BLOCK_H=16, BLOCK_K=16)
@@ -343,6 +345,7 @@ def index_topk_triton(iq, iw, ik, k):
 
 # ================================================================== NSA: block-sparse selection
 
+# first: as for _MLA_CONFIGS
 _NSA_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
                 for bn, w, st in [(16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 3)]]
 _NSA_INTERPRET = dict(BLOCK_N=16)

@@ -91,6 +91,31 @@ def test_gpu_check_fails_loudly_on_a_wrong_kernel(tmp_path, monkeypatch):
     assert report["train"]["finite"] and report["train"]["params"] > 0
 
 
+def test_gpu_check_saves_every_row_and_skips_loudly_past_its_budget(tmp_path, monkeypatch):
+    """A run cut short keeps what it measured: the JSON is rewritten after every check row. Past --budget
+    (here: a clock that reads the number of rows done), the remaining checks and sections are skipped,
+    named in the JSON and the last line, and the run exits 1 though no kernel failed."""
+    import json
+    import gpu_check
+    out = tmp_path / "check.json"
+    seen = []
+
+    def fake_compare(name, fn, inputs, dtype, limit, grad):   # no kernel runs: the driver's logic only
+        seen.append(len(json.loads(out.read_text())["checks"]) if out.exists() else 0)
+        return {"name": name, "dtype": str(dtype).replace("torch.", ""), "max_rel_err": 0.0, "limit": limit,
+                "ok": True}
+    monkeypatch.setattr(gpu_check, "_compare", fake_compare)
+    monkeypatch.setattr(gpu_check.Progress, "elapsed", lambda self: len(self.report.get("checks", [])))
+    rc = gpu_check.main(["--dry-run", "--out", str(out), "--budget", "4.5"])
+    report = json.loads(out.read_text())
+    assert seen == [0, 1, 2, 3, 4]                            # each row on disk before the next one ran
+    assert rc == 1 and report["ok"] is False and report["failed"] == []
+    ran = [r for r in report["checks"] if "skipped" not in r]
+    assert len(ran) == 5 and len(report["checks"]) == 32 and all(r["ok"] and r["s"] >= 0 for r in ran)
+    assert report["skipped"][0] == "check delta_rule kda float16" and len(report["skipped"]) == 27 + 2
+    assert report["skipped"][-2:] == ["train", "compile"] and "train" not in report
+
+
 def test_gpu_check_compile_fails_on_a_graph_break(tmp_path, monkeypatch):
     """A kernel call that breaks the graph fails the compile section by name (fullgraph=True), with
     torch's error line in the JSON."""

@@ -1,0 +1,86 @@
+"""Triton's autotuner, with the configs of a new tuning key compiled side by side.
+
+triton.autotune compiles each config the first time it benchmarks it, one after another in the calling
+thread. For sm_90 our kernels take seconds to tens of seconds each to compile (ptxas; bench/compile_sm90.py
+prints the time of every config) and have 4 to 24 configs, so every new shape waited minutes before its
+first launch. `autotune` returns triton's Autotuner whose first launch at a tuning key compiles all the
+configs it will try at once in a thread pool (triton.AsyncCompileMode; the compiler's passes and ptxas run
+outside the GIL), waits for them, and then lets the autotuner benchmark and pick as before: the same
+kernels and the same choice, only compiled in parallel. A config that does not compile is left to the
+autotuner, which skips it as before. HYBRID_COMPILE_THREADS sets the pool's size (default: every core).
+"""
+import concurrent.futures
+import functools
+import os
+
+import triton
+
+_pool = None
+
+
+def autotune(configs, key, prune_configs_by=None, **kwargs):
+    """triton.autotune(configs, key, prune_configs_by, **kwargs), compiling a new tuning key's configs in
+    parallel. A launch with exact fp32 dots (a PRECISION or DOT_PREC constexpr of "ieee": the fp32 inputs of
+    tests and checks) runs the first config, untuned: those dots are FMA loops whose larger tiles spill
+    kilobytes per thread and take ptxas up to a minute or more each, for a path that is there to be exact,
+    not fast. So every list of configs starts with the one that spills least in fp32 (compile_sm90.py)."""
+    own = (prune_configs_by or {}).get("early_config_prune")
+
+    def prune(configs, named_args, **launch):
+        if exact_fp32({**named_args, **launch}):
+            return configs[:1]
+        return own(configs, named_args, **launch) if own else configs
+
+    def decorator(fn):
+        tuner = triton.autotune(configs, key=key, prune_configs_by={**(prune_configs_by or {}),
+                                                                    "early_config_prune": prune}, **kwargs)(fn)
+        tuner.run = functools.partial(_run, tuner, tuner.run, set())
+        return tuner
+    return decorator
+
+
+def exact_fp32(args):
+    """Whether a launch's arguments (by name) ask for exact fp32 dots."""
+    return "ieee" in (args.get("PRECISION"), args.get("DOT_PREC"))
+
+
+def tuning_key(tuner, args, kwargs):
+    """What triton's Autotuner caches its choice under: the key arguments' values and every tensor's dtype."""
+    named = {k: v for k, v in {**dict(zip(tuner.arg_names, args)), **kwargs}.items() if k in tuner.arg_names}
+    return tuple([named[k] for k in tuner.keys if k in named]
+                 + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
+
+
+def compile_configs(tuner, args, kwargs):
+    """Compile every config the autotuner would try for this launch, in the pool, and wait for them. Any
+    failure is left to the autotuner's own run (a config that does not compile, another AsyncCompileMode
+    already active): the launch then compiles as triton does without this."""
+    launch = {k: v for k, v in kwargs.items() if k != "warmup"}
+    pool = _executor()
+    try:
+        with triton.AsyncCompileMode(pool, ignore_errors=True):
+            tuner.warmup(*args, **launch)
+    except Exception:  # noqa: BLE001 -- the autotuner's run below meets any real error again, and reports it
+        pass
+
+
+def _run(tuner, run, seen, *args, **kwargs):
+    """The autotuner's run, after compiling the configs of a tuning key it has not seen."""
+    if len(tuner.configs) > 1:
+        key = tuning_key(tuner, args, kwargs)
+        if key not in seen:
+            seen.add(key)
+            compile_configs(tuner, args, kwargs)
+    return run(*args, **kwargs)
+
+
+def _executor():
+    global _pool
+    if _pool is None:
+        value = os.environ.get("HYBRID_COMPILE_THREADS", "")
+        if value and not (value.isdigit() and int(value) > 0):
+            raise ValueError(f"HYBRID_COMPILE_THREADS must be a positive integer (threads compiling Triton "
+                             f"kernels), got {value!r}")
+        workers = int(value) if value else os.cpu_count() or 1
+        _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="triton-compile")
+    return _pool
