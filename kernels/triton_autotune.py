@@ -54,9 +54,12 @@ def tuning_key(tuner, args, kwargs):
 def compile_configs(tuner, args, kwargs):
     """Compile every config the autotuner would try for this launch, in the pool, and wait for them. Any
     failure is left to the autotuner's own run (a config that does not compile, another AsyncCompileMode
-    already active): the launch then compiles as triton does without this."""
+    already active, a triton without AsyncCompileMode or with another one): the launch then compiles as
+    triton does without this."""
     launch = {k: v for k, v in kwargs.items() if k != "warmup"}
     pool = _executor()
+    if not hasattr(triton, "AsyncCompileMode"):   # an older triton: its autotuner compiles one by one, as ever
+        return
     try:
         with triton.AsyncCompileMode(pool, ignore_errors=True):
             tuner.warmup(*args, **launch)
