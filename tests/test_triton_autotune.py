@@ -84,8 +84,8 @@ def test_first_launch_compiles_every_config_in_the_pool(tmp_path):
     assert out["same key"] == {"compiled": [], "benched": 0, "best": 64}, out
     # a new key (n divisible by 16: a new specialization) compiles the configs in the pool again
     assert out["new key"]["compiled"] == sorted(pool + [[24, "MainThread"]]), out
-    # exact fp32 dots: the first config only, not benchmarked; otherwise every config
-    assert out["ieee"] == {"compiled": [64], "benched": 0}, out
+    # exact fp32 dots: the first config only (triton 3.9 does not time a lone config; 3.6 times it once)
+    assert out["ieee"]["compiled"] == [64] and out["ieee"]["benched"] <= 1, out
     assert out["tf32"] == {"compiled": [64, 128, 256], "benched": 3}, out
 
 
