@@ -380,7 +380,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return ScaleNorm.apply(x, self.weight, self.eps, x.shape[-1])
+        return scale_norm(x, self.weight, self.eps, x.shape[-1])
+
+
+# Under torch.compile the Functions above and below give way to their formulas, which Inductor fuses. Torch 2.11
+# (the GPU machines' torch here) differentiates an autograd Function whose forward writes in place into a
+# tensor it made wrongly under compile: gradients of 0 or off by O(1) (tests/test_layer_options.py shows the
+# formulas equal the Functions; torch 2.13 compiles either correctly).
+def scale_norm(x, weight, eps, n):
+    """ScaleNorm, or under torch.compile its formula."""
+    if not torch.compiler.is_compiling():
+        return ScaleNorm.apply(x, weight, eps, n)
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) / n + eps)).to(x.dtype)
+    return y if weight is None else y * weight
 
 
 def rope_angles(positions, dim, theta):
@@ -414,8 +427,9 @@ def token_positions(x, pos, cache, cu_seqlens, cp=None):
 
 def apply_rope(x, cos, sin):
     """Rotate x [B, T, H, D] by angles cos, sin [T, R/2] (or per row [B, T, R/2]): pairs are
-    (x[i], x[i + R/2]) among the first R dims; dims R.. pass unrotated (partial RoPE). R == D is full RoPE."""
-    return Rope.apply(x, cos, sin)
+    (x[i], x[i + R/2]) among the first R dims; dims R.. pass unrotated (partial RoPE). R == D is full RoPE.
+    Under torch.compile the formula (see scale_norm)."""
+    return rotate(x, cos, sin) if torch.compiler.is_compiling() else Rope.apply(x, cos, sin)
 
 
 def rotate(x, cos, sin):
@@ -467,6 +481,11 @@ class SiluMul(torch.autograd.Function):
     def backward(ctx, g):
         gate, up = ctx.saved_tensors
         return torch.ops.aten.silu_backward(g * up, gate), F.silu(gate).mul_(g)
+
+
+def silu_mul(gate, up):
+    """SiluMul, or under torch.compile its formula (see scale_norm)."""
+    return F.silu(gate) * up if torch.compiler.is_compiling() else SiluMul.apply(gate, up)
 
 
 def conv_tap(w, s, keep_from, rows=None):
@@ -548,7 +567,7 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         # gate and up as two matmuls: on the CPU 1.07x faster forward + backward than one into [gate | up],
         # whose halves are strided views (and misaligned when hidden is not a multiple of 16, e.g. 683)
-        return self.w2(SiluMul.apply(self.w1(x), self.w3(x)))
+        return self.w2(silu_mul(self.w1(x), self.w3(x)))
 
 
 class MoE(nn.Module):
@@ -594,7 +613,7 @@ class MoE(nn.Module):
         """The experts' gated activation of gate g and up u."""
         c = self.cfg
         if c.expert_act == "swiglu":
-            return SiluMul.apply(g, u)
+            return silu_mul(g, u)
         g, u = g.clamp(max=c.swiglu_limit), u.clamp(-c.swiglu_limit, c.swiglu_limit)  # gpt-oss: clamped,
         return g * torch.sigmoid(c.swiglu_alpha * g) * (u + 1)                  # sigmoid gain, up + 1
 
@@ -840,7 +859,7 @@ class DeltaConfig:
 
 def l2norm(x, eps=1e-6):
     """x / sqrt(|x|^2 + eps) over the last dim, as FLA and transformers' GDN/KDA compute it (fp32)."""
-    return ScaleNorm.apply(x, None, eps, 1)
+    return scale_norm(x, None, eps, 1)
 
 
 def inverse_softplus(y):

@@ -227,6 +227,16 @@ def _flatten(d, prefix):
     return out
 
 
+def refuse_compile_on_old_torch(mcfg, device):
+    """train.compile with delta-rule layers on the torch backend needs torch >= 2.13: older ones compute that
+    op's gradients wrongly under torch.compile (kernels/torch_delta_rule.py), so refuse rather than train on them."""
+    from kernels.torch_delta_rule import _OLD_TORCH
+    torch_path = mcfg.backend == "torch" or (mcfg.backend is None and device.type != "cuda")
+    if _OLD_TORCH and torch_path and any(layer.kind in ("kda", "gdn") for layer in mcfg.layers.values()):
+        raise ConfigError(f"train.compile: the delta-rule layers' torch path needs torch >= 2.13 under torch.compile "
+                          f"(this is {torch.__version__}); set train.compile=false, or train on CUDA with the triton backend")
+
+
 def check_model_matches(path, ckpt, cfg, verbose=True, what="resuming",
                         hint="resume with the model it was trained with"):
     """A checkpoint resumes only into a model with the same weights (names and shapes), else it is
@@ -542,9 +552,12 @@ class Run:
             for block in module.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(module, mesh=mesh)
+            if tc.compile:
+                refuse_compile_on_old_torch(self.cfg.model, device)
             fwd = torch.compile(module) if tc.compile else module
         else:
             if tc.compile:
+                refuse_compile_on_old_torch(self.cfg.model, device)
                 fwd = torch.compile(module)
             if pg.enabled:
                 from torch.nn.parallel import DistributedDataParallel as DDP

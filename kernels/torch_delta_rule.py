@@ -71,6 +71,8 @@ LOG2E = 1.4426950408889634  # G is kept in log2 units: exp(G_i - G_j) = exp2(log
 # memory (B=1 H=4 K=V=64 T=2048: 3 chunks 18.5 MB, 4 chunks 19.9 MB, at about the same speed; 18.8 MB with
 # 3 since _chunk_matrices fills preallocated buffers)
 GROUP_FORWARD, GROUP_BACKWARD = 8, 3
+# torch before 2.13 gives _ChunkedDeltaRule wrong gradients under torch.compile (seen on 2.11; 2.13 is pinned)
+_OLD_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
 
 
 def _to_chunks(x, T_pad, C):
@@ -361,8 +363,8 @@ class _ChunkedDeltaRule(torch.autograd.Function):
             N, C = chunked[0].shape[2:4]
             n0 = t0 // C
             dO = _to_chunks(do[:, t0:t1], N * C, C).to(S.dtype)   # [B,H,N,C,V]
-            *group_grads, dS = _chunk_backward(*chunked, S[:, :, n0:n0 + N + 1], dO, dS, masks)
-            group_grads[0] = group_grads[0] * ctx.scale
+            dq, *group_grads, dS = _chunk_backward(*chunked, S[:, :, n0:n0 + N + 1], dO, dS, masks)
+            group_grads = [dq * ctx.scale, *group_grads]          # not item assignment: Dynamo 2.11 fails on it
             for grad, x, gr in zip(grads, inputs, group_grads):
                 grad[:, t0:t1] = _from_chunks(gr, t1 - t0).reshape(grad[:, t0:t1].shape)
             del chunked, masks, dO, group_grads                   # before the next group allocates its own
@@ -415,6 +417,9 @@ def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output
     if g.shape not in (q.shape, q.shape[:3]):
         raise ValueError(f"delta_rule: g must be [B,T,H,K] or [B,T,H], got {tuple(g.shape)}")
     scale = K ** -0.5 if scale is None else scale
+    if _OLD_TORCH and torch.compiler.is_compiling():
+        raise RuntimeError(f"delta_rule: the torch backend under torch.compile needs torch >= 2.13 ({torch.__version__} "
+                           f"computes its gradients wrongly there); train eagerly, or on CUDA with the triton backend")
     S0 = initial_state.to(_compute_dtype(q)) if initial_state is not None else None
     o, S = _ChunkedDeltaRule.apply(q, k, v, g, beta, S0, scale, cu_seqlens)
     return o, (S if output_final_state else None)

@@ -111,3 +111,23 @@ def test_init_from_starts_a_fresh_run_from_the_weights(tmp_path, capsys):
     os.makedirs(tmp_path / "c")
     with pytest.raises(DataError, match=r"c: no checkpoint \(ckpt_\*.pt\) to initialise from"):
         init_weights_from(GPT(wider.model), str(tmp_path / "c"), wider)
+
+
+def test_compile_refused_where_torch_would_get_the_delta_rule_gradients_wrong(monkeypatch):
+    """Torch before 2.13 computes the torch delta rule's gradients wrongly under torch.compile (seen on 2.11):
+    train.compile with kda/gdn layers on that path is one ConfigError; on CUDA's triton path, or with no
+    delta-rule layer, or on torch 2.13, it is allowed."""
+    import pytest
+    import kernels.torch_delta_rule as tdr
+    from config import ConfigError
+    from model import ModelConfig
+    from train import refuse_compile_on_old_torch
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    kda = ModelConfig.from_dict({"pattern": ["kda"], "n_layer": 1, "layers": {"kda": {"kind": "kda", "n_heads": 2}}})
+    attn = ModelConfig.from_dict({"pattern": ["a"], "n_layer": 1, "layers": {"a": {"kind": "attn", "n_heads": 2}}})
+    refuse_compile_on_old_torch(kda, cpu)                         # torch 2.13: allowed
+    monkeypatch.setattr(tdr, "_OLD_TORCH", True)
+    with pytest.raises(ConfigError, match=r"train.compile: the delta-rule layers' torch path needs torch >= 2.13"):
+        refuse_compile_on_old_torch(kda, cpu)
+    refuse_compile_on_old_torch(kda, cuda)                        # the triton path
+    refuse_compile_on_old_torch(attn, cpu)
