@@ -125,6 +125,7 @@ def test_compile_refused_where_torch_would_get_the_delta_rule_gradients_wrong(mo
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     kda = ModelConfig.from_dict({"pattern": ["kda"], "n_layer": 1, "layers": {"kda": {"kind": "kda", "n_heads": 2}}})
     attn = ModelConfig.from_dict({"pattern": ["a"], "n_layer": 1, "layers": {"a": {"kind": "attn", "n_heads": 2}}})
+    monkeypatch.setattr(tdr, "_OLD_TORCH", False)
     refuse_compile_on_old_torch(kda, cpu)                         # torch 2.13: allowed
     monkeypatch.setattr(tdr, "_OLD_TORCH", True)
     with pytest.raises(ConfigError, match=r"train.compile: the delta-rule layers' torch path needs torch >= 2.13"):
