@@ -384,9 +384,9 @@ class RMSNorm(nn.Module):
 
 
 # Under torch.compile the Functions above and below give way to their formulas, which Inductor fuses. Torch 2.11
-# (the GPU machines' torch here) differentiates an autograd Function whose forward writes in place into a
-# tensor it made wrongly under compile: gradients of 0 or off by O(1) (tests/test_layer_options.py shows the
-# formulas equal the Functions; torch 2.13 compiles either correctly).
+# (the GPU machines' torch here) computes wrong gradients for ScaleNorm, SiluMul and Rope under compile (0 or
+# off by O(1); the smallest case: a Function whose forward returns `(a * 2).mul_(b)`); torch 2.13 gets them
+# right. tests/test_layer_options.py shows the formulas equal the Functions.
 def scale_norm(x, weight, eps, n):
     """ScaleNorm, or under torch.compile its formula."""
     if not torch.compiler.is_compiling():
