@@ -544,6 +544,8 @@ class Run:
         elif tc.init_from:
             init_weights_from(module, tc.init_from, self.cfg, verbose=pg.main and not self.quiet)
         roles = param_roles(module, tc)
+        if tc.compile:
+            refuse_compile_on_old_torch(self.cfg.model, device)
         fwd = module
         if self.fsdp:
             from torch.distributed.device_mesh import init_device_mesh
@@ -552,12 +554,9 @@ class Run:
             for block in module.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(module, mesh=mesh)
-            if tc.compile:
-                refuse_compile_on_old_torch(self.cfg.model, device)
             fwd = torch.compile(module) if tc.compile else module
         else:
             if tc.compile:
-                refuse_compile_on_old_torch(self.cfg.model, device)
                 fwd = torch.compile(module)
             if pg.enabled:
                 from torch.nn.parallel import DistributedDataParallel as DDP

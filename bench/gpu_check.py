@@ -112,14 +112,17 @@ class Progress:
         self.skipped.append(what)
         return True
 
-    def save(self):
+    def save(self, strict=False):
+        """Write the report to --out; a DataError (say, the disk is full) is raised only if strict: main's
+        last write reports it and prints the report instead."""
         if self.out is not None:
             from data.tokens import DataError, atomic_write
             self.report.update(wall_s=self.elapsed(), skipped=self.skipped)
             try:
                 atomic_write(self.out, lambda f: json.dump(self.report, f, indent=2), mode="w")
-            except DataError:  # main's last write says so, and prints the report instead
-                pass
+            except DataError:
+                if strict:
+                    raise
 
 
 def run_checks(device, dry, progress=None):
@@ -131,10 +134,10 @@ def run_checks(device, dry, progress=None):
     rows = progress.report["checks"] = []
 
     def check(name, fn, inputs, dtype, limit, grad=True):
-        label = f"{name} {str(dtype).replace('torch.', '')}"
-        if progress.over(f"check {label}"):
-            row = {"name": name, "dtype": str(dtype).replace("torch.", ""), "ok": None, "skipped": "time budget"}
-            print(f"  skip {label} (over the time budget)", flush=True)
+        dt = str(dtype).replace("torch.", "")
+        if progress.over(f"check {name} {dt}"):
+            row = {"name": name, "dtype": dt, "ok": None, "skipped": "time budget"}
+            print(f"  skip {name} {dt} (over the time budget)", flush=True)
         else:
             t0 = time.perf_counter()
             row = compare(name, fn, inputs, dtype, limit, grad)
@@ -463,7 +466,7 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")          # before triton is first imported
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
-    from data.tokens import DataError, atomic_write, check_writable
+    from data.tokens import DataError, check_writable
     try:  # before minutes of GPU work, not after
         check_writable(args.out, "--out")
     except DataError as e:
@@ -478,10 +481,13 @@ def main(argv=None):
               "torch": torch.__version__, "dry_run": args.dry_run}
     try:
         import triton
-        report["triton"] = triton.__version__
+        from kernels.triton_autotune import compile_threads
+        report["triton"], report["compile_threads"] = triton.__version__, compile_threads()
     except ImportError:
         report["triton"] = None
-    report["compile_threads"] = os.environ.get("HYBRID_COMPILE_THREADS") or os.cpu_count()
+    except ValueError as e:  # a bad HYBRID_COMPILE_THREADS, before any work
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     progress = Progress(report, args.out, args.budget)
     failed = []
 
@@ -519,10 +525,8 @@ def main(argv=None):
                if not r["ok"]]
     report["failed"] = failed
     report["ok"] = not failed and not progress.skipped
-    report["wall_s"] = progress.elapsed()
-    report["skipped"] = progress.skipped
     try:
-        atomic_write(args.out, lambda f: json.dump(report, f, indent=2), mode="w")
+        progress.save(strict=True)
     except DataError as e:  # the report still reaches the terminal
         print(json.dumps(report, indent=2))
         print(f"error: {e}; the report is printed above", file=sys.stderr)

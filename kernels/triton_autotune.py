@@ -77,13 +77,17 @@ def _run(tuner, run, seen, *args, **kwargs):
     return run(*args, **kwargs)
 
 
+def compile_threads():
+    """The pool's size: HYBRID_COMPILE_THREADS, or every core."""
+    value = os.environ.get("HYBRID_COMPILE_THREADS", "")
+    if value and not (value.isdigit() and int(value) > 0):
+        raise ValueError(f"HYBRID_COMPILE_THREADS must be a positive integer (threads compiling Triton "
+                         f"kernels), got {value!r}")
+    return int(value) if value else os.cpu_count() or 1
+
+
 def _executor():
     global _pool
     if _pool is None:
-        value = os.environ.get("HYBRID_COMPILE_THREADS", "")
-        if value and not (value.isdigit() and int(value) > 0):
-            raise ValueError(f"HYBRID_COMPILE_THREADS must be a positive integer (threads compiling Triton "
-                             f"kernels), got {value!r}")
-        workers = int(value) if value else os.cpu_count() or 1
-        _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="triton-compile")
+        _pool = concurrent.futures.ThreadPoolExecutor(compile_threads(), thread_name_prefix="triton-compile")
     return _pool
