@@ -37,6 +37,25 @@ def test_bench_model_counts_activations_not_parameters():
     assert 0 < constant < sum(p.nbytes for p in model.parameters())
 
 
+def test_bench_layers_times_every_part_and_the_op_each_layer_calls(capsys):
+    """bench_layers.py times each kind's layer, the kernels op it calls (on the inputs layer 0 gave it) and
+    the baseline's parts; a bad kind is one line."""
+    import bench_layers
+    from model import GPT
+    ms = bench_layers.main(["--kinds", "attn", "kda", "linear", "--d", "32", "--heads", "2", "--layers", "1",
+                            "--T", "16", "--B", "2", "--steps", "1", "--repeat", "1", "--vocab", "17"])
+    assert set(ms) == {"nanoGPT attention", "nanoGPT MLP (4d GELU)", "nanoGPT LayerNorm", "attn layer",
+                       "attn: its attention op", "kda layer", "kda: its delta_rule op", "linear layer",
+                       "linear: its linear_attention op", "SwiGLU MLP", "RMSNorm"}
+    assert all(t > 0 for t in ms.values()) and "kda layer less the op" in capsys.readouterr().out
+    args = type("Shape", (), {"d": 32, "heads": 2, "layers": 1, "T": 16, "B": 2, "vocab": 17})
+    name, op, op_args, kwargs = bench_layers.first_op(GPT(bench_layers.hybrid_config("kda", args)), args)
+    assert name == "delta_rule" and op is bench_layers.kernels.delta_rule and op_args[0].shape == (2, 16, 2, 16)
+    assert op(*op_args, **kwargs)[0].shape == (2, 16, 2, 16)
+    assert bench_layers.main(["--kinds", "foo"]) == 2
+    assert "unknown kind 'foo'" in capsys.readouterr().err
+
+
 def test_bench_revisions_steps_both_trees_and_refuses_unknown_revisions():
     """bench_revisions.py builds the same model in a worker per tree (HEAD from git archive, and this
     working tree), interleaves their steps and reports HEAD/now; an unknown revision is one clear line."""
