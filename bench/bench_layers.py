@@ -2,8 +2,9 @@
 
 bench_nanogpt.py gives one ratio per model; this script splits it. At the benchmark shape it times
 forward + backward of each part of a block on the same input, interleaved, median over repeats:
-  - each mixer kind's layer, the kernels op it calls (attention, delta rule, linear attention) alone on the
-    inputs the layer gave it, and the rest of the layer (the difference: projections, convs, gates, norms);
+  - each mixer kind's layer, the kernels op it calls (attention, delta rule, linear attention) alone, on the
+    inputs that layer 0 of a model of that kind gave it on a random batch, and the rest of the layer (the
+    difference: projections, convs, gates, norms);
   - the baseline's attention (q|k|v matmul, SDPA, output matmul), MLP (4x GELU) and LayerNorm against ours
     (the attention layer above, SwiGLU, RMSNorm).
 The last column scales a part to a whole step (layers x per layer; norms: 2 per layer + 1), so the
