@@ -20,15 +20,13 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernels  # noqa: E402
-from bench_nanogpt import NanoBlock, add_shape_args, check_args, hybrid_config  # noqa: E402
-from model import GPT, ConfigError  # noqa: E402
+from bench_nanogpt import NanoBlock, add_shape_args, hybrid_config, parse_checked  # noqa: E402
+from model import GPT  # noqa: E402
 from studies.recall_heads import capture_ops  # noqa: E402
 
 
@@ -39,67 +37,38 @@ def first_op(model, args):
     return name, getattr(kernels, name), op_args, kwargs
 
 
-def op_runner(name, op, args, kwargs):
-    """forward + backward of a captured op, gradients into every float input."""
-    leaves = [a.detach().clone().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
-              for a in args]
-
+def backward_of(step):
+    """A runner: step() (an output, or a tuple whose first item is it), then its backward against ones."""
     def run():
-        out = op(*leaves, **kwargs)
+        out = step()
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
     return run
 
 
-def layer_runner(module, x):
-    def run():
-        y = module(x)
-        y = y[0] if isinstance(y, tuple) else y
-        y.backward(torch.ones_like(y))
-    return run
-
-
-class NanoAttention(nn.Module):
-    """The baseline block's attention: q|k|v in one matmul, causal SDPA, output matmul."""
-
-    def __init__(self, block: NanoBlock):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        B, T, d = x.shape
-        b = self.block
-        q, k, v = b.qkv(x).split(d, dim=-1)
-        heads = lambda t: t.view(B, T, b.n_heads, d // b.n_heads).transpose(1, 2)  # [B, H, T, D]
-        y = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-        return b.proj(y.transpose(1, 2).reshape(B, T, d))
-
-
-class NanoMLP(nn.Module):
-    def __init__(self, block: NanoBlock):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return self.block.fc_out(F.gelu(self.block.fc(x)))
+def op_runner(op, args, kwargs):
+    """forward + backward of a captured op, gradients into every float input."""
+    leaves = [a.detach().clone().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
+              for a in args]
+    return backward_of(lambda: op(*leaves, **kwargs))
 
 
 def parts(args):
     """[(part, runner, per-step count, baseline part or None)] at the benchmark shape."""
     x = torch.randn(args.B, args.T, args.d, requires_grad=True)
     nano = NanoBlock(args.d, args.heads)
-    rows = [("nanoGPT attention", layer_runner(NanoAttention(nano), x), args.layers, None),
-            ("nanoGPT MLP (4d GELU)", layer_runner(NanoMLP(nano), x), args.layers, None),
-            ("nanoGPT LayerNorm", layer_runner(nano.ln1, x), 2 * args.layers + 1, None)]
-    block = None
+    rows = [("nanoGPT attention", backward_of(lambda: nano.attend(x)), args.layers, None),
+            ("nanoGPT MLP (4d GELU)", backward_of(lambda: nano.mlp(x)), args.layers, None),
+            ("nanoGPT LayerNorm", backward_of(lambda: nano.ln1(x)), 2 * args.layers + 1, None)]
     for kind in args.kinds:
         model = GPT(hybrid_config(kind, args))
         block = model.blocks[0]
-        rows.append((f"{kind} layer", layer_runner(block.mixer, x), args.layers, "nanoGPT attention"))
+        layer = backward_of(lambda mixer=block.mixer: mixer(x))
+        rows.append((f"{kind} layer", layer, args.layers, "nanoGPT attention"))
         name, *captured = first_op(model, args)
-        rows.append((f"{kind}: its {name} op", op_runner(name, *captured), args.layers, None))
-    rows.append(("SwiGLU MLP", layer_runner(block.mlp, x), args.layers, "nanoGPT MLP (4d GELU)"))
-    rows.append(("RMSNorm", layer_runner(block.norm1, x), 2 * args.layers + 1, "nanoGPT LayerNorm"))
+        rows.append((f"{kind}: its {name} op", op_runner(*captured), args.layers, None))
+    rows.append(("SwiGLU MLP", backward_of(lambda: block.mlp(x)), args.layers, "nanoGPT MLP (4d GELU)"))
+    rows.append(("RMSNorm", backward_of(lambda: block.norm1(x)), 2 * args.layers + 1, "nanoGPT LayerNorm"))
     return rows
 
 
@@ -110,16 +79,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="timed calls per repeat")
     p.add_argument("--repeat", type=int, default=9, help="interleaved repeats (median reported)")
     p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args(argv)
-    try:
-        check_args(args, ("steps", "repeat"))
-        for kind in args.kinds:
-            hybrid_config(kind, args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    args = parse_checked(p, argv)
+    if args is None:
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = parts(args)
     for _, run, _, _ in rows:                                     # warm-up
@@ -136,7 +98,8 @@ def main(argv=None):
           f"threads={torch.get_num_threads()}, median of {args.repeat} interleaved repeats of {args.steps} calls")
     print(f"{'part':<34} {'ms':>8} {'x per step':>10} {'per step':>9}   against the baseline")
     for name, _, count, base in rows:
-        against = "" if base is None else f"{ms[name] - ms[base]:+8.2f} ms ({(ms[name] - ms[base]) * count:+.1f} per step)"
+        diff = None if base is None else ms[name] - ms[base]
+        against = "" if diff is None else f"{diff:+8.2f} ms ({diff * count:+.1f} per step)"
         print(f"{name:<34} {ms[name]:8.2f} {count:>10} {ms[name] * count:9.1f}   {against}")
         op = f"{name.split()[0]}: its "
         for other in ms:

@@ -40,12 +40,19 @@ class NanoBlock(nn.Module):
         self.fc, self.fc_out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
     def forward(self, x):                                         # x [B, T, d]
+        x = x + self.attend(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def attend(self, x):
+        """q|k|v in one matmul, causal SDPA, output matmul (bench_layers.py times it alone)."""
         B, T, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = self.qkv(x).split(d, dim=-1)
         heads = lambda t: t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)  # [B, H, T, D]
         y = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, d))
-        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+        return self.proj(y.transpose(1, 2).reshape(B, T, d))
+
+    def mlp(self, x):
+        return self.fc_out(F.gelu(self.fc(x)))
 
 
 class NanoGPT(nn.Module):
@@ -117,6 +124,22 @@ def check_args(args, more=()):
         raise ConfigError(f"--heads: must divide --d={args.d} (got {args.heads})")
 
 
+def parse_checked(p, argv):
+    """Parse argv; check the shape flags, --steps, --repeat and every --kinds before any model is built (None
+    after one error line if one is bad); apply --threads."""
+    args = p.parse_args(argv)
+    try:
+        check_args(args, ("steps", "repeat"))
+        for kind in args.kinds:
+            hybrid_config(kind, args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def train_step(model, opt, x, y):
     _, loss = model(x, y)
     loss.backward()
@@ -132,15 +155,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
     p.add_argument("--repeat", type=int, default=5, help="interleaved repeats (median reported)")
     p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args(argv)
-    try:  # every shape and kind before any model is built
-        check_args(args, ("steps", "repeat"))
-        cfgs = {kind: hybrid_config(kind, args) for kind in args.kinds}
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    args = parse_checked(p, argv)
+    if args is None:
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cfgs = {kind: hybrid_config(kind, args) for kind in args.kinds}
     torch.manual_seed(0)
     lr = 1e-3
     models = {"nanogpt": NanoGPT(args.vocab, args.d, args.layers, args.heads, args.T)}
