@@ -6,8 +6,8 @@ is lent. Two steps:
    forward and backward: attention with GQA, windows, sinks and packed documents, the delta rule with
    both gates, its decode step, DSA's sparse MLA and indexer, NSA's selection, paged decode) at the GPU
    run's head widths and a short length, in fp32 and fp16 (the interpreter has no bf16), plus forward and
-   backward of gpu_check's 3 KDA : 1 MLA training model (4 layers of it), and records each kernel launch's
-   argument types and compile-time constants;
+   backward of gpu_check's 3 KDA : 1 MLA training model (4 layers of it, under autocast as it trains), and
+   records each kernel launch's argument types and compile-time constants;
 2. compile: each recorded launch for GPUTarget("cuda", 90) with the launch's constants and, for an
    autotuned kernel, each of its configs (fp16 launches as bf16, the GPU path's dtype; where the host
    code picks a block size by TRITON_INTERPRET, its GPU choice: gpu_meta); prints shared memory,
@@ -92,15 +92,18 @@ def record(out_path):
 
 
 def train_model_launches():
-    """gpu_check's training model (its first 4 layers: 3 KDA, 1 MLA), fp16, forward and backward."""
+    """gpu_check's training model (its first 4 layers: 3 KDA, 1 MLA), forward and backward as gpu_check and
+    train.py run it: fp32 weights under autocast (fp16 here, bf16 there). Autocast leaves some tensors fp32
+    (MLA's normed latent); a launch that mixed dtypes in a dot failed to compile on the first GPU."""
     import dataclasses
     import torch
     import gpu_check
     from model import GPT
     cfg = dataclasses.replace(gpu_check.train_model_config(False), n_layer=4, vocab_size=256, backend="triton")
-    model = GPT(cfg).half()
+    model = GPT(cfg)
     x = torch.randint(0, 256, (1, 65))
-    _, loss = model(x[:, :-1], x[:, 1:])
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, loss = model(x[:, :-1], x[:, 1:])
     loss.backward()
 
 

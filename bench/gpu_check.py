@@ -38,6 +38,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 LIMITS = {"float32": 2e-3, "bfloat16": 3e-2, "float16": 3e-2}
 
@@ -71,7 +72,11 @@ def compare(name, fn, inputs, dtype, limit, grad=True):
 
 
 def error_line(e):
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    """One line: the exception's first line and, when it has more (a Triton CompilationError: the source
+    position, then the source, then the cause), its last."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [""]
+    text = lines[0][:300] + (f" ... {lines[-1][:300]}" if len(lines) > 1 else "")
+    return f"{type(e).__name__}: {text}"
 
 
 def _compare(name, fn, inputs, dtype, limit, grad):
@@ -251,9 +256,9 @@ def time_ms(fn, inputs):
     return do_bench(run, warmup=5, rep=40)
 
 
-def run_kernels(device, progress=None):
-    """Forward+backward ms of the Triton kernels and their baselines, bf16; each row saved as it finishes,
-    none started after the time budget."""
+def run_kernels(device, progress=None, B=4, H=16, D=128, seqlens=(2048, 8192), sparse=True):
+    """Forward+backward ms of the Triton kernels and their baselines, bf16; each measurement saved as it
+    ends, no row started after the time budget. (The defaults are the GPU run's; a test passes tiny ones.)"""
     import torch
     import torch.nn.functional as F
     import kernels
@@ -261,32 +266,51 @@ def run_kernels(device, progress=None):
     progress = progress or Progress({})
     rows = progress.report["kernels"] = []
 
+    def start(row):
+        rows.append(row)
+        return row
+
     def done(row):
         print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
-        rows.append(row)
         progress.save()
-    B, H, D = 4, 16, 128
-    for T in (2048, 8192):
+
+    def measure(row, key, fn, inputs):
+        """row[key] = fwd+bwd ms of fn, its first call's compiles and autotuning included in row[key + "_s"];
+        announced before it starts and saved when it ends, so a run cut short says where it was."""
+        print(f"  {row['op']} T={row['T']}: {key} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            row[key] = time_ms(fn, inputs)
+        except ImportError:
+            row[key] = "not installed"
+        except Exception as e:  # a baseline's failure is recorded; ours (triton, torch) fails the run (main)
+            row[key] = f"failed: {error_line(e)}"
+            if key in ("triton_ms", "torch_ms"):
+                row["error"] = row[key]
+        row[key.replace("_ms", "_s")] = round(time.perf_counter() - t0, 1)
+        progress.save()
+
+    for T in seqlens:
         if progress.over(f"kernels attention T={T}"):
             continue
         x = lambda: torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16, requires_grad=True)
         q, k, v = x(), x(), x()
-        row = {"op": "attention causal", "B": B, "T": T, "H": H, "D": D,
-               "triton_ms": time_ms(lambda q, k, v: kernels.attention(q, k, v, backend="triton"), [q, k, v])}
+        row = start({"op": "attention causal", "B": B, "T": T, "H": H, "D": D})
 
         def sdpa(q, k, v):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                       is_causal=True)
-        row["sdpa_flash_ms"] = time_ms(sdpa, [q, k, v])
-        try:
+
+        def flash_attn(q, k, v):
             from flash_attn import flash_attn_func
-            row["flash_attn_ms"] = time_ms(lambda q, k, v: flash_attn_func(q, k, v, causal=True), [q, k, v])
-        except ImportError:
-            row["flash_attn_ms"] = "not installed"
+            return flash_attn_func(q, k, v, causal=True)
+        measure(row, "triton_ms", lambda q, k, v: kernels.attention(q, k, v, backend="triton"), [q, k, v])
+        measure(row, "sdpa_flash_ms", sdpa, [q, k, v])
+        measure(row, "flash_attn_ms", flash_attn, [q, k, v])
         done(row)
-    for T in (2048, 8192):
+    for T in seqlens:
         if progress.over(f"kernels delta_rule T={T}"):
             continue
         q, k = (F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).to(torch.bfloat16).requires_grad_()
@@ -295,18 +319,20 @@ def run_kernels(device, progress=None):
         g = (-F.softplus(torch.randn(B, T, H, D, device=device)) * 0.1).requires_grad_()
         beta = torch.rand(B, T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
         inputs = [q, k, v, g, beta]
-        row = {"op": "delta_rule kda", "B": B, "T": T, "H": H, "D": D}
-        for backend in ("triton", "torch"):
-            fn = lambda *a, backend=backend: kernels.delta_rule(*a, backend=backend)[0]
-            row[f"{backend}_ms"] = time_ms(fn, inputs) if backend == "triton" or T <= 2048 else "skipped (slow)"
-        try:
+        row = start({"op": "delta_rule kda", "B": B, "T": T, "H": H, "D": D})
+
+        def fla(q, k, v, g, beta):
             from fla.ops.kda import chunk_kda
-            row["fla_ms"] = time_ms(lambda q, k, v, g, beta: chunk_kda(q, k, v, g, beta)[0], inputs)
-        except ImportError:
-            row["fla_ms"] = "not installed"
+            return chunk_kda(q, k, v, g, beta)[0]
+        measure(row, "triton_ms", lambda *a: kernels.delta_rule(*a, backend="triton")[0], inputs)
+        if T <= 2048:
+            measure(row, "torch_ms", lambda *a: kernels.delta_rule(*a, backend="torch")[0], inputs)
+        else:
+            row["torch_ms"] = "skipped (slow)"
+        measure(row, "fla_ms", fla, inputs)
         done(row)
-    for row in sparse_kernels(device, progress=progress):
-        done(row)
+    for row in sparse_kernels(device, progress=progress) if sparse else []:
+        done(start(row))
     return rows
 
 
@@ -504,6 +530,7 @@ def main(argv=None):
         except Exception as e:
             report[name] = {"error": error_line(e)}
             failed.append(f"{name}: {report[name]['error']}")
+            traceback.print_exc()  # the whole story in the log; the line in the JSON
             print(f"  FAIL {report[name]['error']}", flush=True)
         finally:
             report.setdefault("section_s", {})[name] = round(time.perf_counter() - t0, 1)

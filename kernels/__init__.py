@@ -29,6 +29,15 @@ def _pick(backend, x):
     return backend
 
 
+def _one_dtype(q, *rest):
+    """q and the tensors it is multiplied with (k, v; kv rows) in one dtype, as a Triton dot needs: the
+    autocast dtype under autocast (what PyTorch's SDPA computes in there), else q's. Under bf16 autocast a
+    layer may mix them (MLA's normed latent stays fp32 beside bf16 projections)."""
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    return tuple(x if x.dtype == dtype else x.to(dtype) for x in (q, *rest))
+
+
 def check_cu_seqlens(cu_seqlens, B, N, op="cu_seqlens"):
     """Refuse bad packed-document boundaries with one line; returns them as int64 on the same device."""
     if B != 1:
@@ -77,6 +86,7 @@ def attention(q, k, v, *, window=None, sinks=None, scale=None, backend=None, cu_
         if S != T:
             raise ValueError(f"attention: cu_seqlens needs queries and keys of the same length, got T={T} S={S}")
         cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, "attention")
+    q, k, v = _one_dtype(q, k, v)
     if _pick(backend, q) == "torch":
         from .torch_attention import attention_torch
         return attention_torch(q, k, v, window=window, sinks=sinks, scale=scale, cu_seqlens=cu_seqlens)
@@ -160,6 +170,7 @@ def sparse_mla_attention(q, kv, indices, *, d_v, scale, backend=None):
     if indices.shape[:2] != (B, T) or indices.dim() != 3 or not 0 < d_v <= Dk:
         raise ValueError(f"sparse_mla_attention: need indices [B, T, k] and 0 < d_v <= Dk, got "
                          f"indices{tuple(indices.shape)} d_v={d_v} Dk={Dk}")
+    q, kv = _one_dtype(q, kv)
     if _pick(backend, q) == "torch":
         from .torch_sparse import sparse_mla_attention_torch
         return sparse_mla_attention_torch(q, kv, indices, d_v=d_v, scale=scale)
@@ -205,6 +216,7 @@ def block_sparse_attention(q, k, v, block_indices, block_size, *, scale=None, ba
         raise ValueError(f"block_sparse_attention: need block_indices [B, T, Hkv, n] and block_size >= 1, got "
                          f"{tuple(block_indices.shape)} and {block_size}")
     scale = D ** -0.5 if scale is None else scale
+    q, k, v = _one_dtype(q, k, v)
     if _pick(backend, q) == "torch":
         from .torch_sparse import block_sparse_attention_torch
         return block_sparse_attention_torch(q, k, v, block_indices, block_size, scale=scale)

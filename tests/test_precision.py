@@ -91,3 +91,19 @@ MOES = {
 @pytest.mark.parametrize("name", list(MOES))
 def test_moe_under_bf16_autocast(name):
     check_precision(make_model({"a": MIXERS["attn_gqa"]}, n_layer=2, mlp=MOES[name]))
+
+
+@pytest.mark.parametrize("name", ["mla", "dsa_sparse", "nsa", "attn_window_sinks", "mfa", "kda"])
+def test_triton_backend_under_autocast_equals_torch(name):
+    """What `train.py` runs on CUDA: the Triton kernels under autocast (fp16 here: the interpreter has no
+    bf16 arithmetic). A Triton dot takes one dtype; MLA's normed latent stays fp32 beside its fp16
+    projections, and that failed to compile on the first GPU (kernels._one_dtype now casts as SDPA does).
+    Loss and gradients equal the torch backend's under the same autocast."""
+    got, want = [], []
+    for backend, out in (("triton", got), ("torch", want)):
+        model = make_model({name: MIXERS[name]}, n_layer=2, backend=backend)
+        idx = torch.randint(0, model.config.vocab_size, (2, T + 1), generator=torch.Generator().manual_seed(0))
+        out.extend(train_step(model.train(), idx, torch.autocast("cpu", dtype=torch.float16)))
+    assert torch.isfinite(got[1]).all()
+    assert abs(got[0] - want[0]) <= 1e-4 * want[0], (got[0], want[0])
+    assert (got[1] - want[1]).norm() <= 5e-3 * want[1].norm(), ((got[1] - want[1]).norm() / want[1].norm()).item()
