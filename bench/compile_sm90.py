@@ -99,7 +99,7 @@ def train_model_launches():
     import torch
     import gpu_check
     from model import GPT
-    cfg = dataclasses.replace(gpu_check.train_model_config(False), n_layer=4, vocab_size=256, backend="triton")
+    cfg = dataclasses.replace(gpu_check.train_model_config(False), n_layer=4, vocab_size=256)
     model = GPT(cfg)
     x = torch.randint(0, 256, (1, 65))
     with torch.autocast("cpu", dtype=torch.float16):

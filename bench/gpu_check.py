@@ -16,7 +16,7 @@ Sections (each recorded in the JSON, in this order: the most wanted first):
           compiles of its kernels (every autotune config; kernels/triton_autotune.py compiles them in
           parallel, HYBRID_COMPILE_THREADS threads, default every core).
   train   steps of a 3 KDA : 1 MLA model (d=768, 12 layers, ~125M parameters; tiny in --dry-run),
-          bf16 autocast on CUDA, fused AdamW; tokens/s over the steps after warm-up and MFU
+          bf16 autocast on CUDA (fp16 in --dry-run), fused AdamW; tokens/s over the steps after warm-up and MFU
           (cost.py's FLOPs per token over the device's dense bf16 peak).
   kernels forward+backward ms: attention (triton, SDPA flash backend, flash_attn if installed), the
           delta rule (triton, torch, flash-linear-attention if installed), and bench_sparse.py's rows
@@ -362,12 +362,14 @@ def sparse_kernels(device, seqlens=(8192,), progress=None):
 
 
 def train_model_config(dry):
-    """3 KDA : 1 MLA. d=768, 12 layers, vocab 32768: about 125M parameters (tiny in --dry-run)."""
+    """3 KDA : 1 MLA on the triton backend. d=768, 12 layers, vocab 32768: about 125M parameters (tiny in
+    --dry-run, where the kernels run under the interpreter)."""
     from model import ModelConfig
     d, n_layer, heads, vocab = (64, 4, 2, 257) if dry else (768, 12, 12, 32768)
     hd = d // heads
     return ModelConfig.from_dict({
         "vocab_size": vocab, "d_model": d, "n_layer": n_layer, "pattern": ["kda", "kda", "kda", "mla"],
+        "backend": "triton",
         "layers": {"kda": {"kind": "kda", "n_heads": heads, "head_dim": hd},
                    "mla": {"kind": "mla", "n_heads": heads, "q_lora_rank": d // 2, "kv_lora_rank": d // 3 // 16 * 16,
                            "qk_nope_dim": hd, "qk_rope_dim": hd // 2, "v_head_dim": hd}}})
@@ -391,7 +393,7 @@ def run_train(device, dry, steps):
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+        with torch.autocast(device.type, dtype=torch.bfloat16 if cuda else torch.float16):  # fp16: interpreter
             _, loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
         opt.step()
