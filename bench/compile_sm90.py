@@ -112,8 +112,10 @@ def train_model_launches():
 def gpu_meta(entry):
     """What the host code picks differently on a GPU for a kernel that is not autotuned: the recorded
     interpreter choice replaced by the GPU's (the kernels' own functions say both)."""
-    from kernels import triton_attention, triton_sparse
+    from kernels import triton_attention, triton_delta_rule, triton_sparse
     args = entry["args"]
+    if entry["kernel"] == "_chunk_bwd_main_kernel":
+        return {"BK": triton_delta_rule.bwd_main_split_width(args["K"], interpret=False)}
     if entry["kernel"] == "_bwd_delta_kernel":
         return triton_attention.bwd_delta_meta(interpret=False)
     if entry["kernel"] == "_index_topk_kernel":

@@ -8,7 +8,8 @@ Sections (each recorded in the JSON, in this order: the most wanted first):
   checks  every Triton op against its torch path on the same device, bf16 (fp16 in --dry-run: the
           interpreter has no bf16 arithmetic) then fp32, forward AND the
           gradients of every input: attention (causal, GQA, window, sinks, packed documents),
-          delta_rule (per-channel and per-head gate, initial state, final state, packed documents),
+          delta_rule (per-channel and per-head gate, initial state, final state, packed documents; KDA
+          also at twice the head width, where the backward splits the key columns),
           delta_rule_step, DSA's sparse_mla_attention and index_topk (the scores of the keys each
           path selected: ties may break differently), NSA's block_sparse_attention, paged decode (with
           and without a window and sinks). Error = max |a - b| / max |b|; limits: fp32 2e-3, bf16 3e-2.
@@ -181,7 +182,7 @@ def dense_checks(device, dry, dtype, limit, short=False, check=compare):
     fn = lambda q, k, v, backend: kernels.attention(q, k, v, cu_seqlens=cu, backend=backend)
     rows.append(check("attention packed", fn, [r(1, T, H, D), r(1, T, 1, D), r(1, T, 1, D)], dtype, limit))
     for per_channel in (True, False):
-        def delta_inputs(B):
+        def delta_inputs(B, D=D):
             q, k = (F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).to(dtype) for _ in range(2))
             g = -F.softplus(torch.randn((B, T, H, D) if per_channel else (B, T, H), device=device))
             return [q, k, r(B, T, H, D), g, torch.sigmoid(torch.randn(B, T, H, device=device)).to(dtype)]
@@ -190,6 +191,9 @@ def dense_checks(device, dry, dtype, limit, short=False, check=compare):
         fn = lambda q, k, v, g, beta, S0, backend: kernels.delta_rule(
             q, k, v, g, beta, initial_state=S0, output_final_state=True, backend=backend)
         rows.append(check(f"delta_rule {kind}", fn, delta_inputs(B) + [S0], dtype, limit))
+        if per_channel:  # heads twice as wide (Kimi Linear's 128): the backward splits the key columns
+            rows.append(check(f"delta_rule {kind} K={2 * D}", fn, delta_inputs(B, 2 * D)
+                              + [torch.randn(B, H, 2 * D, 2 * D, device=device)], dtype, limit))
         fn = lambda q, k, v, g, beta, backend: kernels.delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend=backend)
         rows.append(check(f"delta_rule {kind} packed", fn, delta_inputs(1), dtype, limit))
         step = lambda q, k, v, g, beta, S0, backend: (kernels.delta_rule_step(

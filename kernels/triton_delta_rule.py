@@ -446,23 +446,34 @@ def _chunk_state_bwd_kernel(q_ptr, k_ptr, G_ptr, W_ptr, M_ptr, do_ptr, dh_ptr, d
 def _chunk_bwd_main_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, Ak_ptr, h_ptr, dh_ptr, do_ptr,
                            Vn_ptr, dVn_ptr,
                            dv_ptr, dbeta_ptr, dAk_ptr, dMs_ptr, dq_ptr, dk_ptr, dG_ptr, doc_ptr,
-                           scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DOCS: tl.constexpr):
+                           scale, T, dbeta_split_stride, dAk_split_stride, H: tl.constexpr, K: tl.constexpr,
+                           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+                           HAS_DOCS: tl.constexpr):
     """B2: everything of one chunk that needs no sub-chunk gating.
 
     With S0 = h[c], dS1 = dh[c], dVn from B1:
         d(q e^G) = scale dO S0^T        d(k e^{G_L-G}) = Vn dS1^T        dW = -dVn S0^T
         dM = dO Vn^T                    dT = dVn (beta v)^T + dW (beta k e^G)^T
         d(beta v) = T^T dVn             d(beta k e^G) = T^T dW           dA = -T^T dT T^T (strictly lower)
-    Writes dv, dbeta (final), scale*dM and beta*dA for B3, and partial dq, dk, dG (fp32).
+    Writes dv, dbeta, scale*dM and beta*dA for B3, and partial dq, dk, dG (fp32).
+
+    The key columns are split across programs (axis 2, BK each; bwd_main_split_width): each computes its
+    columns of dq, dk, dG, and its share of dT, hence of dA and dbeta, which are sums over the columns
+    (dbeta and beta*dA go to split `ks`'s slice of their buffers; the host adds the slices). Split 0 also
+    does the value-only work (dv, dM, the value share of dT and dbeta). So no program holds three
+    [64, K] fp32 accumulators at K = 128, which spilled kilobytes per thread on sm_90.
     """
-    chunk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets
+    chunk, bh, ks = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)  # int64 offsets
+    if K > BK:  # compile time: with one program per chunk (K <= BK), the kernel is what it was unsplit
+        split, first = ks, ks == 0
+    else:
+        split, first = 0, True
     b, h = bh // H, bh % H
     NT = tl.cdiv(T, 64)
     T_pad = NT * 64
     idx = tl.arange(0, 64)
     rows = chunk * 64 + idx
-    cols_k = tl.arange(0, BK)
+    cols_k = split * BK + tl.arange(0, BK)
     in_k = (b * T * H + h) * K  # offsets of [B,T,H,K] inputs
     pad_k = (b * T_pad * H + h) * K  # and of [B,T_pad,H,K] intermediates
     pad_c = (b * T_pad * H + h) * 64
@@ -488,11 +499,12 @@ def _chunk_bwd_main_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, Ak_ptr,
         d_kd += tl.dot(v_new, tl.trans(dS1), input_precision=DOT_PREC)
         d_w -= tl.dot(dv_new, tl.trans(S0), input_precision=DOT_PREC)
         d_decay_last += tl.sum(dS1 * S0, axis=1)
-        d_m += tl.dot(do, tl.trans(v_new), input_precision=DOT_PREC)
-        d_t += tl.dot(dv_new, tl.trans(beta[:, None] * v), input_precision=DOT_PREC)
-        d_bv = tl.dot(tl.trans(t_inv), dv_new, input_precision=DOT_PREC)  # d(beta v) [64, BV]
-        _store_tile(dv_ptr + (b * T * H + h) * V, rows, cols_v, H * V, T, V, beta[:, None] * d_bv)
-        d_beta += tl.sum(d_bv * v, axis=1)
+        if first:  # value-only work: once per chunk, not once per key split
+            d_m += tl.dot(do, tl.trans(v_new), input_precision=DOT_PREC)
+            d_t += tl.dot(dv_new, tl.trans(beta[:, None] * v), input_precision=DOT_PREC)
+            d_bv = tl.dot(tl.trans(t_inv), dv_new, input_precision=DOT_PREC)  # d(beta v) [64, BV]
+            _store_tile(dv_ptr + (b * T * H + h) * V, rows, cols_v, H * V, T, V, beta[:, None] * d_bv)
+            d_beta += tl.sum(d_bv * v, axis=1)
 
     q = _load_tile(q_ptr + in_k, rows, cols_k, H * K, T, K)
     k = _load_tile(k_ptr + in_k, rows, cols_k, H * K, T, K)
@@ -521,11 +533,14 @@ def _chunk_bwd_main_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, Ak_ptr,
     d_a = tl.where(idx[:, None] > idx[None, :], d_a, 0.0)
     ak = _load_tile(Ak_ptr + pad_c, rows, idx, H * 64, T_pad, 64)
     d_beta += tl.sum(d_a * ak, axis=1)
-    _store_tile(dAk_ptr + pad_c, rows, idx, H * 64, T_pad, 64, _same_doc(d_a * beta[:, None], doc_ptr, rows, rows,
-                                                                         HAS_DOCS))
-    _store_tile(dMs_ptr + pad_c, rows, idx, H * 64, T_pad, 64,
-                _same_doc(tl.where(idx[:, None] >= idx[None, :], d_m * scale, 0.0), doc_ptr, rows, rows, HAS_DOCS))
-    tl.store(dbeta_ptr + (b * T * H + h) + rows * H, d_beta.to(dbeta_ptr.dtype.element_ty), mask=rows < T)
+    _store_tile(dAk_ptr + split * dAk_split_stride + pad_c, rows, idx, H * 64, T_pad, 64,
+                _same_doc(d_a * beta[:, None], doc_ptr, rows, rows, HAS_DOCS))
+    if first:
+        _store_tile(dMs_ptr + pad_c, rows, idx, H * 64, T_pad, 64,
+                    _same_doc(tl.where(idx[:, None] >= idx[None, :], d_m * scale, 0.0), doc_ptr, rows, rows,
+                              HAS_DOCS))
+    tl.store(dbeta_ptr + split * dbeta_split_stride + (b * T * H + h) + rows * H,
+             d_beta.to(dbeta_ptr.dtype.element_ty), mask=rows < T)
     _store_tile(dq_ptr + pad_k, rows, cols_k, H * K, T_pad, K, dq)
     _store_tile(dk_ptr + pad_k, rows, cols_k, H * K, T_pad, K, dk)
     _store_tile(dG_ptr + pad_k, rows, cols_k, H * K, T_pad, K, dG)
@@ -678,6 +693,13 @@ def _block(n):
     return max(16, triton.next_power_of_2(n))
 
 
+def bwd_main_split_width(K, interpret=INTERPRET):
+    """Key columns per program of _chunk_bwd_main_kernel: at most 64 on a GPU (K = 128 in one program
+    spilled 1.3 to 6 KB per thread for sm_90 at every config), 16 under the interpreter so that the tests
+    cover the split at their small widths."""
+    return min(_block(K), 16 if interpret else 64)
+
+
 def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -737,7 +759,9 @@ def _chunk_backward(q, k, v, beta, g_dtype, scale, saved, do, d_final_state, doc
     dh = torch.empty(B, H, NT, K, V, **f32)
     dV_new = torch.empty(B, T_pad, H, V, **f32)
     dh0 = torch.empty(B, H, K, V, **f32)
-    dAk = torch.empty(B, T_pad, H, CHUNK, **f32)
+    BKS = bwd_main_split_width(K)
+    n_splits = triton.cdiv(K, BKS)
+    dAk = torch.empty(n_splits, B, T_pad, H, CHUNK, **f32)  # one slice per key split, added below
     dMs = torch.empty(B, T_pad, H, CHUNK, **f32)
     dq_part = torch.empty(B, T_pad, H, K, **f32)
     dk_part = torch.empty(B, T_pad, H, K, **f32)
@@ -745,17 +769,20 @@ def _chunk_backward(q, k, v, beta, g_dtype, scale, saved, do, d_final_state, doc
     dG = torch.empty(B, T_pad, H, K, **f32)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(B, T, H, K, device=q.device, dtype=g_dtype)
-    dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(n_splits, *beta.shape, device=beta.device,
+                        dtype=beta.dtype if n_splits == 1 else torch.float32)
     docs = dict(HAS_DOCS=doc is not None)
     doc = G if doc is None else doc  # dummy pointer when unused
 
     _chunk_state_bwd_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * H)](
         q, k, G, W, M, do, dh, dV_new, d_final_state, dh0, doc, scale, T, H=H, K=K, V=V, BK=BK,
         HAS_DHT=d_final_state is not None, DOT_PREC=prec, **docs)
-    _chunk_bwd_main_kernel[(NT, B * H)](
+    _chunk_bwd_main_kernel[(NT, B * H, n_splits)](
         q, k, v, beta, G, T_inv, Ak, h, dh, do, V_new, dV_new,
-        dv, dbeta, dAk, dMs, dq_part, dk_part, dG_part, doc, scale, T, H=H, K=K, V=V, BK=BK, DOT_PREC=prec,
-        **docs)
+        dv, dbeta, dAk, dMs, dq_part, dk_part, dG_part, doc, scale, T, dbeta[0].numel(), dAk[0].numel(),
+        H=H, K=K, V=V, BK=BKS, DOT_PREC=prec, **docs)
+    dAk, dbeta = (dAk[0], dbeta[0]) if n_splits == 1 else (dAk.sum(0), dbeta.sum(0).to(beta.dtype))
     _chunk_bwd_intra_kernel[(NT * 4, B * H)](
         q, k, G, dAk, dMs, dq_part, dk_part, dG_part, dq, dk, dG, T, H=H, K=K, BK=BK, DOT_PREC=prec)
     _chunk_reverse_cumsum_kernel[(NT, B * H)](dG, dg, T, H=H, K=K, BK=BK)

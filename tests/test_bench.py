@@ -102,7 +102,7 @@ def test_gpu_check_fails_loudly_on_a_wrong_kernel(tmp_path, monkeypatch):
     rc, report = run_gpu_check(tmp_path, "--skip", "compile")
     assert rc == 1 and report["ok"] is False
     wrong = ("attention", "index_topk", "paged_decode")
-    assert all(r["ok"] != r["name"].startswith(wrong) for r in report["checks"]) and len(report["checks"]) == 32
+    assert all(r["ok"] != r["name"].startswith(wrong) for r in report["checks"]) and len(report["checks"]) == 34
     assert "attention causal float32" in report["failed"] and "index_topk (dsa) float16" in report["failed"]
     assert len(report["failed"]) == 2 * (5 + 1 + 2)
     paged = [r for r in report["checks"] if r["name"].startswith("paged_decode")]
@@ -130,8 +130,8 @@ def test_gpu_check_saves_every_row_and_skips_loudly_past_its_budget(tmp_path, mo
     assert seen == [0, 1, 2, 3, 4]                            # each row on disk before the next one ran
     assert rc == 1 and report["ok"] is False and report["failed"] == []
     ran = [r for r in report["checks"] if "skipped" not in r]
-    assert len(ran) == 5 and len(report["checks"]) == 32 and all(r["ok"] and r["s"] >= 0 for r in ran)
-    assert report["skipped"][0] == "check delta_rule kda float16" and len(report["skipped"]) == 27 + 2
+    assert len(ran) == 5 and len(report["checks"]) == 34 and all(r["ok"] and r["s"] >= 0 for r in ran)
+    assert report["skipped"][0] == "check delta_rule kda float16" and len(report["skipped"]) == 29 + 2
     assert report["skipped"][-2:] == ["train", "compile"] and "train" not in report
 
 
