@@ -5,9 +5,9 @@ all written to one JSON file. bench/gpu_check.sh calls it; see there.
     python bench/gpu_check.py --dry-run --out /tmp/check.json  # CPU: tiny shapes, Triton interpreter
 
 Sections (each recorded in the JSON, in this order: the most wanted first):
-  checks  every Triton op against its torch path on the same device, bf16 (fp16 in --dry-run: the
-          interpreter has no bf16 arithmetic) then fp32, forward AND the
-          gradients of every input: attention (causal, GQA, window, sinks, packed documents),
+  checks  every Triton op against its torch path on the same device, in bf16 (fp16 in --dry-run: the
+          interpreter has no bf16 arithmetic), forward AND the gradients of every input: attention
+          (causal, GQA, window, sinks, packed documents),
           delta_rule (per-channel and per-head gate, initial state, final state, packed documents; KDA
           also at twice the head width, where the backward splits the key columns),
           delta_rule_step, DSA's sparse_mla_attention and index_topk (the scores of the keys each
@@ -22,7 +22,9 @@ Sections (each recorded in the JSON, in this order: the most wanted first):
   kernels forward+backward ms: attention (triton, SDPA flash backend, flash_attn if installed), the
           delta rule (triton, torch, flash-linear-attention if installed), and bench_sparse.py's rows
           at T=8192 (NSA selection, DSA sparse MLA, each against dense attention; the indexer's
-          top-k). Not in --dry-run.
+          top-k). Not in --dry-run. Each cell is saved as it ends, with its seconds (compiles included).
+  checks_fp32  the same checks in fp32 (rows added to "checks"): exact dots, whose FMA-loop kernels
+          take the longest to compile, so after the speed figures.
   compile each mixer family (kda+mla, gdn+attn, nsa, dsa; small models, B=4, T=1024) on the triton
           backend under torch.compile(fullgraph=True, Inductor): a graph break or an error fails; loss
           and gradients against eager (fp32 limit), compile time, eager vs compiled tokens/s. In
@@ -131,13 +133,13 @@ class Progress:
                     raise
 
 
-def run_checks(device, dry, progress=None):
-    """Every op check at bf16 (fp16 in --dry-run: the interpreter has no bf16) and fp32, each row printed,
-    timed (its compiles included) and saved as it finishes."""
+def run_checks(device, dry, dtype, progress=None):
+    """Every op check at one dtype, each row printed, timed (its compiles included) and added to the
+    report's "checks" as it finishes."""
     import torch
     progress = progress or Progress({})
     torch.manual_seed(0)
-    rows = progress.report["checks"] = []
+    rows = progress.report.setdefault("checks", [])
 
     def check(name, fn, inputs, dtype, limit, grad=True):
         dt = str(dtype).replace("torch.", "")
@@ -154,11 +156,9 @@ def run_checks(device, dry, progress=None):
         rows.append(row)
         progress.save()
         return row
-    for dtype in (torch.float16 if dry else torch.bfloat16, torch.float32):  # training's dtype first
-        limit = LIMITS[str(dtype).replace("torch.", "")]
-        dense_checks(device, dry, dtype, limit, check=check)
-        sparse_checks(device, dry, dtype, limit, check=check)
-    return rows
+    limit = LIMITS[str(dtype).replace("torch.", "")]
+    dense_checks(device, dry, dtype, limit, check=check)
+    sparse_checks(device, dry, dtype, limit, check=check)
 
 
 def dense_checks(device, dry, dtype, limit, short=False, check=compare):
@@ -524,15 +524,17 @@ def main(argv=None):
     failed = []
 
     def section(name, title, work):
-        """One section into the report (and returned); an exception fails the run, the others still run;
-        none starts after the time budget."""
-        if name in args.skip or progress.over(name):
+        """One section into the report (and returned; the checks add their rows to report["checks"]
+        themselves); an exception fails the run, the others still run; none starts after the time budget."""
+        if name.removesuffix("_fp32") in args.skip or progress.over(name):
             return None
         print(title, flush=True)
         t0 = time.perf_counter()
         try:
-            report[name] = work()
-            return report[name]
+            result = work()
+            if result is not None:
+                report[name] = result
+            return result
         except Exception as e:
             report[name] = {"error": error_line(e)}
             failed.append(f"{name}: {report[name]['error']}")
@@ -542,9 +544,11 @@ def main(argv=None):
             report.setdefault("section_s", {})[name] = round(time.perf_counter() - t0, 1)
             progress.save()
 
-    # most wanted first: correctness, then the training run's tokens/s and MFU, then kernel speed, compile
-    rows = section("checks", "checks: Triton ops vs torch paths", lambda: run_checks(device, args.dry_run, progress))
-    failed += [f"{r['name']} {r['dtype']}" for r in rows or [] if r["ok"] is False]
+    # most wanted first: the GPU path's correctness (bf16), the training run's tokens/s and MFU, kernel
+    # speed; then the exact fp32 checks (their FMA-loop kernels are slow to compile) and torch.compile
+    half = torch.float16 if args.dry_run else torch.bfloat16    # the interpreter has no bf16 arithmetic
+    section("checks", f"checks ({str(half)[6:]}): Triton ops vs torch paths",
+            lambda: run_checks(device, args.dry_run, half, progress))
     row = section("train", "train: 3 KDA : 1 MLA",
                   lambda: run_train(device, args.dry_run, 3 if args.dry_run else args.train_steps))
     if row is not None and not row["finite"]:
@@ -552,6 +556,9 @@ def main(argv=None):
     if not args.dry_run:
         rows = section("kernels", "kernels: forward+backward ms (bf16)", lambda: run_kernels(device, progress))
         failed += [f"{r['op']} T={r['T']}: {r['error']}" for r in rows or [] if "error" in r]
+    section("checks_fp32", "checks (float32): Triton ops vs torch paths",
+            lambda: run_checks(device, args.dry_run, torch.float32, progress))
+    failed += [f"{r['name']} {r['dtype']}" for r in report.get("checks", []) if r["ok"] is False]
     rows = section("compile", "compile: torch.compile(fullgraph=True) vs eager, triton backend",
                    lambda: run_compile(device, args.dry_run, progress))
     failed += [f"compile {r['family']}" + (f": {r['error']}" if "error" in r else "") for r in rows or []
