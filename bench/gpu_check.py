@@ -22,7 +22,8 @@ Sections (each recorded in the JSON, in this order: the most wanted first):
   kernels forward+backward ms: attention (triton, SDPA flash backend, flash_attn if installed), the
           delta rule (triton, torch, flash-linear-attention if installed), and bench_sparse.py's rows
           at T=8192 (NSA selection, DSA sparse MLA, each against dense attention; the indexer's
-          top-k). Not in --dry-run. Each cell is saved as it ends, with its seconds (compiles included).
+          top-k). Not in --dry-run. Each cell is saved as it ends, with its seconds (compiles included);
+          flash-linear-attention's cells come last (its first call autotunes its own kernels).
   checks_fp32  the same checks in fp32 (rows added to "checks"): exact dots, whose FMA-loop kernels
           take the longest to compile, so after the speed figures.
   compile each mixer family (kda+mla, gdn+attn, nsa, dsa; small models, B=4, T=1024) on the triton
@@ -314,6 +315,7 @@ def run_kernels(device, progress=None, B=4, H=16, D=128, seqlens=(2048, 8192), s
         measure(row, "sdpa_flash_ms", sdpa, [q, k, v])
         measure(row, "flash_attn_ms", flash_attn, [q, k, v])
         done(row)
+    later = []                                    # (row, inputs) for flash-linear-attention, timed last
     for T in seqlens:
         if progress.over(f"kernels delta_rule T={T}"):
             continue
@@ -325,18 +327,23 @@ def run_kernels(device, progress=None, B=4, H=16, D=128, seqlens=(2048, 8192), s
         inputs = [q, k, v, g, beta]
         row = start({"op": "delta_rule kda", "B": B, "T": T, "H": H, "D": D})
 
-        def fla(q, k, v, g, beta):
-            from fla.ops.kda import chunk_kda
-            return chunk_kda(q, k, v, g, beta)[0]
         measure(row, "triton_ms", lambda *a: kernels.delta_rule(*a, backend="triton")[0], inputs)
         if T <= 2048:
             measure(row, "torch_ms", lambda *a: kernels.delta_rule(*a, backend="torch")[0], inputs)
         else:
             row["torch_ms"] = "skipped (slow)"
-        measure(row, "fla_ms", fla, inputs)
+        later.append((row, inputs))
         done(row)
     for row in sparse_kernels(device, progress=progress) if sparse else []:
         done(start(row))
+
+    def fla(q, k, v, g, beta):
+        from fla.ops.kda import chunk_kda
+        return chunk_kda(q, k, v, g, beta)[0]
+    for row, inputs in later:  # last: its first call autotunes flash-linear-attention's own kernels
+        if not progress.over(f"kernels delta_rule T={row['T']} fla"):
+            measure(row, "fla_ms", fla, inputs)
+            done(row)
     return rows
 
 
