@@ -237,6 +237,7 @@ def test_gpu_check_kernel_benchmarks_keep_each_measurement(tmp_path, monkeypatch
         fn(*inputs)
         return 1.0
     monkeypatch.setattr(gpu_check, "time_ms", fake_time_ms)
+
     def raises(message):
         def fn(*args, **kwargs):
             raise RuntimeError(message)
