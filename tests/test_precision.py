@@ -16,6 +16,7 @@ MLA = {"kind": "mla", "n_heads": 4, "q_lora_rank": 12, "kv_lora_rank": 16, "qk_n
 MIXERS = {
     "attn_gqa": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2},
     "attn_window_sinks": {"kind": "attn", "n_heads": 4, "n_kv_heads": 1, "window": 5, "sinks": True},
+    "attn_qk_norm_gate": {"kind": "attn", "n_heads": 4, "n_kv_heads": 2, "qk_norm": True, "output_gate": True},
     "kda": {"kind": "kda", "n_heads": 2},
     "gdn": {"kind": "gdn", "n_heads": 2},
     "linear": {"kind": "linear", "n_heads": 2},
@@ -93,12 +94,14 @@ def test_moe_under_bf16_autocast(name):
     check_precision(make_model({"a": MIXERS["attn_gqa"]}, n_layer=2, mlp=MOES[name]))
 
 
-@pytest.mark.parametrize("name", ["mla", "dsa_sparse", "nsa", "attn_window_sinks", "mfa", "kda"])
+@pytest.mark.parametrize("name", ["mla", "dsa_sparse", "nsa", "attn_window_sinks", "attn_qk_norm_gate", "mfa",
+                                  "kda"])
 def test_triton_backend_under_autocast_equals_torch(name):
     """What `train.py` runs on CUDA: the Triton kernels under autocast (fp16 here: the interpreter has no
     bf16 arithmetic). A Triton dot takes one dtype; MLA's normed latent stays fp32 beside its fp16
-    projections, and that failed to compile on the first GPU (kernels._one_dtype now casts as SDPA does).
-    Loss and gradients equal the torch backend's under the same autocast."""
+    projections, and that failed to compile on the first GPU (kernels._one_dtype now casts as SDPA does);
+    Qwen3-Next's attention (qk-norm) gave fp32 q and k beside an fp16 v. Loss and gradients equal the torch
+    backend's under the same autocast."""
     got, want = [], []
     for backend, out in (("triton", got), ("torch", want)):
         model = make_model({name: MIXERS[name]}, n_layer=2, backend=backend)
