@@ -254,7 +254,7 @@ torch.library.register_autograd("hybrid::sparse_mla_fwd", _sparse_mla_grad, setu
 
 def sparse_mla_attention_triton(q, kv, indices, *, d_v, scale):
     """See kernels.sparse_mla_attention. Returns (o [B,T,H,d_v], lse [B,T,H] fp32, natural log)."""
-    o, lse2 = _sparse_mla_fwd_op(q, kv.to(q.dtype), indices, int(d_v), float(scale))  # one dtype for tl.dot
+    o, lse2 = _sparse_mla_fwd_op(q, kv, indices, int(d_v), float(scale))  # one dtype: kernels._one_dtype
     return o, lse2 * LN2
 
 
