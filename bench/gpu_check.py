@@ -23,7 +23,9 @@ Sections (each recorded in the JSON, in this order: the most wanted first):
           delta rule (triton, torch, flash-linear-attention if installed), and bench_sparse.py's rows
           at T=8192 (NSA selection, DSA sparse MLA, each against dense attention; the indexer's
           top-k). Not in --dry-run. Each cell is saved as it ends, with its seconds (compiles included);
-          flash-linear-attention's cells come last (its first call autotunes its own kernels).
+          flash-linear-attention's cells come last (its first call autotunes its own kernels). A cell
+          still running after --cell-limit seconds is stopped and recorded as timed out (ours: the run
+          fails), and the run goes on.
   checks_fp32  the same checks in fp32 (rows added to "checks"): exact dots, whose FMA-loop kernels
           take the longest to compile, so after the speed figures.
   compile each mixer family (kda+mla, gdn+attn, nsa, dsa; small models, B=4, T=1024) on the triton
@@ -37,10 +39,13 @@ something was skipped for time (the JSON says which, and holds every other resul
 without --dry-run.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -58,7 +63,14 @@ def parse_args(argv):
     p.add_argument("--budget", type=float, default=420,
                    help="seconds: work that would start later is skipped and named, and the run exits 1 "
                         "(default 420; every finished row is already in --out)")
-    return p.parse_args(argv)
+    p.add_argument("--cell-limit", type=float, default=150,
+                   help="seconds one kernel benchmark cell may take, its compiles and autotuning included "
+                        "(default 150): a cell past it is stopped and recorded as timed out (ours: the run "
+                        "fails), and the run goes on to the next")
+    args = p.parse_args(argv)
+    if not args.cell_limit > 0:
+        p.error(f"--cell-limit must be a positive number of seconds, got {args.cell_limit:g}")
+    return args
 
 
 def rel_err(a, b):
@@ -103,12 +115,38 @@ def _compare(name, fn, inputs, dtype, limit, grad):
             "ok": ok}
 
 
+class CellTimeout(Exception):
+    """A kernel benchmark cell ran past --cell-limit."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """Raise CellTimeout in the main thread once `seconds` have passed (SIGALRM). Python runs the handler
+    between bytecodes, so it stops the autotuner between configs, do_bench between launches, or a wait
+    on the compile pool; not a single call into C that never returns. No limit off the main thread."""
+    if not math.isfinite(seconds) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CellTimeout(f"timed out after {seconds:g} s (--cell-limit)")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class Progress:
     """Where the run stands. Each finished row goes to --out at once, so a run cut short (a time limit, a
-    crash) keeps what it measured; work that would start after --budget seconds is skipped, and named."""
+    crash) keeps what it measured; work that would start after --budget seconds is skipped, and named;
+    a kernel benchmark cell is stopped after cell_limit seconds (--cell-limit)."""
 
-    def __init__(self, report, out=None, budget=float("inf")):
+    def __init__(self, report, out=None, budget=float("inf"), cell_limit=float("inf")):
         self.report, self.out, self.budget, self.t0 = report, out, budget, time.perf_counter()
+        self.cell_limit = cell_limit
         self.skipped = []
 
     def elapsed(self):
@@ -286,11 +324,12 @@ def run_kernels(device, progress=None, B=4, H=16, D=128, seqlens=(2048, 8192), s
         print(f"  {row['op']} T={row['T']}: {key} ...", flush=True)
         t0 = time.perf_counter()
         try:
-            row[key] = time_ms(fn, inputs)
+            with time_limit(progress.cell_limit):
+                row[key] = time_ms(fn, inputs)
         except ImportError:
             row[key] = "not installed"
         except Exception as e:  # a baseline's failure is recorded; ours (triton, torch) fails the run (main)
-            row[key] = f"failed: {error_line(e)}"
+            row[key] = str(e) if isinstance(e, CellTimeout) else f"failed: {error_line(e)}"
             if key in ("triton_ms", "torch_ms"):
                 row["error"] = row[key]
         row[key.replace("_ms", "_s")] = round(time.perf_counter() - t0, 1)
@@ -362,11 +401,14 @@ def sparse_kernels(device, seqlens=(8192,), progress=None):
                 continue
             row = {"op": f"sparse {name}", "T": T}
             try:
-                with torch.no_grad():
-                    row["fwd_ms"] = do_bench(fn, warmup=5, rep=40)
-                row["fwd_bwd_ms"] = do_bench(bench_sparse.fwd_bwd(fn, inputs), warmup=5, rep=40) if inputs \
-                    else "forward only"
-            except Exception as e:  # recorded, and main fails the run on it
+                with time_limit(progress.cell_limit):
+                    with torch.no_grad():
+                        row["fwd_ms"] = do_bench(fn, warmup=5, rep=40)
+                    row["fwd_bwd_ms"] = do_bench(bench_sparse.fwd_bwd(fn, inputs), warmup=5, rep=40) if inputs \
+                        else "forward only"
+            except CellTimeout as e:  # recorded, and main fails the run on it
+                row["error"] = str(e)
+            except Exception as e:
                 row["error"] = error_line(e)
             yield row
         torch.cuda.empty_cache()
@@ -527,7 +569,7 @@ def main(argv=None):
     except ValueError as e:  # a bad HYBRID_COMPILE_THREADS, before any work
         print(f"error: {e}", file=sys.stderr)
         return 2
-    progress = Progress(report, args.out, args.budget)
+    progress = Progress(report, args.out, args.budget, args.cell_limit)
     failed = []
 
     def section(name, title, work):

@@ -1,6 +1,7 @@
 """The bench/ drivers run end to end on tiny shapes (their figures are printed, not asserted)."""
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -253,3 +254,33 @@ def test_gpu_check_kernel_benchmarks_keep_each_measurement(tmp_path, monkeypatch
     assert delta["triton_ms"] == delta["error"] == "failed: RuntimeError: bad" and delta["torch_ms"] == 1.0
     assert delta["fla_ms"] == "failed: RuntimeError: no sm_90 here" and "error" not in attn
     assert rows == [attn, delta] and all(r[k] >= 0 for r in rows for k in r if k.endswith("_s"))
+
+
+def test_gpu_check_stops_a_cell_past_its_limit_and_goes_on(tmp_path, monkeypatch):
+    """A benchmark cell that does not finish (a stand-in that loops, as an autotuner compiling for minutes
+    does) is stopped at --cell-limit and recorded as timed out; the next cells still run. Ours timing out
+    marks the row (the run fails); a baseline timing out is a note in its cell."""
+    import json
+    import gpu_check
+    out = tmp_path / "k.json"
+    progress = gpu_check.Progress({}, str(out), cell_limit=0.3)
+    calls = []
+
+    def fake_time_ms(fn, inputs):
+        calls.append(len(calls))
+        if len(calls) in (1, 2):                     # attention: ours, then SDPA never finish
+            while True:
+                time.sleep(0.01)
+        return 1.0
+    monkeypatch.setattr(gpu_check, "time_ms", fake_time_ms)
+    t0 = time.perf_counter()
+    rows = gpu_check.run_kernels(torch.device("cpu"), progress, B=1, H=2, D=16, seqlens=(32,), sparse=False)
+    assert time.perf_counter() - t0 < 10
+    attn, delta = json.loads(out.read_text())["kernels"]
+    assert attn["triton_ms"] == attn["error"] == "timed out after 0.3 s (--cell-limit)"
+    assert attn["sdpa_flash_ms"] == "timed out after 0.3 s (--cell-limit)" and 0.3 <= attn["sdpa_flash_s"] < 2
+    assert delta["triton_ms"] == delta["torch_ms"] == 1.0 and "error" not in delta
+    assert attn["flash_attn_ms"] == delta["fla_ms"] == 1.0 and len(calls) == 6 and rows == [attn, delta]
+    assert gpu_check.parse_args(["--cell-limit", "60"]).cell_limit == 60
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--cell-limit", "0"])
