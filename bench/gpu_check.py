@@ -32,6 +32,8 @@ Sections (each recorded in the JSON, in this order: the most wanted first):
           backend under torch.compile(fullgraph=True, Inductor): a graph break or an error fails; loss
           and gradients against eager (fp32 limit), compile time, eager vs compiled tokens/s. In
           --dry-run: kda+mla only, with aot_eager.
+"autotune" holds, per autotuned kernel, the config chosen at each tuning key and the seconds its first launch
+there took (compiles and benchmarking): what to prune when a tuning is slow.
 The JSON is rewritten after every row, so a run cut short (a machine's time limit) keeps what it measured.
 Work that would start after --budget seconds (default 420) is skipped and listed under "skipped".
 Exit status: 0 when every check ran and passed; 1 when a kernel is wrong or raises, a section fails, or
@@ -115,6 +117,16 @@ def _compare(name, fn, inputs, dtype, limit, grad):
             "ok": ok}
 
 
+def autotune_choices():
+    """kernels.triton_autotune.choices(): each autotuned kernel's chosen config per tuning key and the seconds
+    its first launch there took (empty under the interpreter, whose kernels run one fixed config)."""
+    try:
+        from kernels.triton_autotune import choices
+    except ImportError:  # no triton
+        return {}
+    return choices()
+
+
 class CellTimeout(Exception):
     """A kernel benchmark cell ran past --cell-limit."""
 
@@ -164,7 +176,7 @@ class Progress:
         last write reports it and prints the report instead."""
         if self.out is not None:
             from data.tokens import DataError, atomic_write
-            self.report.update(wall_s=self.elapsed(), skipped=self.skipped)
+            self.report.update(wall_s=self.elapsed(), skipped=self.skipped, autotune=autotune_choices())
             try:
                 atomic_write(self.out, lambda f: json.dump(self.report, f, indent=2), mode="w")
             except DataError:

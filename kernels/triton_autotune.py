@@ -7,15 +7,19 @@ first launch. `autotune` returns triton's Autotuner whose first launch at a tuni
 configs it will try at once in a thread pool (triton.AsyncCompileMode; the compiler's passes and ptxas run
 outside the GIL), waits for them, and then lets the autotuner benchmark and pick as before: the same
 kernels and the same choice, only compiled in parallel. A config that does not compile is left to the
-autotuner, which skips it as before. HYBRID_COMPILE_THREADS sets the pool's size (default: every core).
+autotuner, which skips it as before. HYBRID_COMPILE_THREADS sets the pool's size (default: every core). `choices()` reports, for every kernel
+made here, the config chosen at each tuning key and the seconds its first launch there took (compiles and
+benchmarking): bench/gpu_check.py writes it into its report.
 """
 import concurrent.futures
 import functools
 import os
+import time
 
 import triton
 
 _pool = None
+_tuners = []  # (kernel name, its Autotuner, {tuning key: seconds of its first launch}), for choices()
 
 
 def autotune(configs, key, prune_configs_by=None, **kwargs):
@@ -34,7 +38,9 @@ def autotune(configs, key, prune_configs_by=None, **kwargs):
     def decorator(fn):
         tuner = triton.autotune(configs, key=key, prune_configs_by={**(prune_configs_by or {}),
                                                                     "early_config_prune": prune}, **kwargs)(fn)
-        tuner.run = functools.partial(_run, tuner, tuner.run, set())
+        seconds = {}
+        tuner.run = functools.partial(_run, tuner, tuner.run, seconds)
+        _tuners.append((getattr(fn, "__name__", str(fn)), tuner, seconds))
         return tuner
     return decorator
 
@@ -67,14 +73,33 @@ def compile_configs(tuner, args, kwargs):
         pass
 
 
-def _run(tuner, run, seen, *args, **kwargs):
-    """The autotuner's run, after compiling the configs of a tuning key it has not seen."""
-    if len(tuner.configs) > 1:
-        key = tuning_key(tuner, args, kwargs)
-        if key not in seen:
-            seen.add(key)
-            compile_configs(tuner, args, kwargs)
-    return run(*args, **kwargs)
+def _run(tuner, run, seconds, *args, **kwargs):
+    """The autotuner's run, after compiling the configs of a tuning key it has not seen; the first launch at
+    a key (compiles, benchmarking) is timed into `seconds`."""
+    if len(tuner.configs) <= 1:
+        return run(*args, **kwargs)
+    key = tuning_key(tuner, args, kwargs)
+    if key in seconds:
+        return run(*args, **kwargs)
+    t0 = time.perf_counter()
+    seconds[key] = None                           # seen: a launch that raises is not compiled again
+    compile_configs(tuner, args, kwargs)
+    out = run(*args, **kwargs)
+    seconds[key] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def choices():
+    """{kernel: [{"key", "config", "s"}]}: for every autotuned kernel made here that has run, the config its
+    autotuner chose at each tuning key and the seconds the first launch there took (None: it raised)."""
+    report = {}
+    for name, tuner, seconds in _tuners:
+        chosen = getattr(tuner, "cache", {})
+        rows = [{"key": repr(key), "config": str(chosen[key]) if key in chosen else None, "s": s}
+                for key, s in seconds.items()]
+        if rows:
+            report.setdefault(name, []).extend(rows)
+    return report
 
 
 def compile_threads():

@@ -61,6 +61,8 @@ SCRIPT = textwrap.dedent('''
         compiled.clear(); benched.clear()
         copy.run(x, y, n, grid=(1,), warmup=True, PRECISION=precision)
         out[precision] = {"compiled": sorted(list(c.values())[1] for c, t in compiled), "benched": len(benched)}
+    from kernels.triton_autotune import choices
+    out["choices"] = choices()
     print(json.dumps(out))
 ''')
 
@@ -87,6 +89,11 @@ def test_first_launch_compiles_every_config_in_the_pool(tmp_path):
     # exact fp32 dots: the first config only (triton 3.9 does not time a lone config; 3.6 times it once)
     assert out["ieee"]["compiled"] == [64] and out["ieee"]["benched"] <= 1, out
     assert out["tf32"] == {"compiled": [64, 128, 256], "benched": 3}, out
+    # choices(): per kernel, each tuning key's chosen config and the seconds of its first launch
+    double, copy = out["choices"]["double"], out["choices"]["copy"]
+    assert [r["key"] for r in double] == ["(1000, 'torch.float32', 'torch.float32')",
+                                          "(4096, 'torch.float32', 'torch.float32')"], out
+    assert all(r["config"].startswith("BLOCK: 64") and r["s"] > 0 for r in double + copy) and len(copy) == 2, out
 
 
 def test_bad_thread_count_is_one_clear_error():
