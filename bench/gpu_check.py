@@ -127,8 +127,10 @@ def autotune_choices():
     return choices()
 
 
-class CellTimeout(Exception):
-    """A kernel benchmark cell ran past --cell-limit."""
+class CellTimeout(BaseException):
+    """A kernel benchmark cell ran past --cell-limit. A BaseException, so that no `except Exception` on the
+    way (kernels.triton_autotune's parallel compile swallows its errors for the autotuner to meet again)
+    keeps the cell running."""
 
 
 @contextlib.contextmanager
@@ -340,7 +342,7 @@ def run_kernels(device, progress=None, B=4, H=16, D=128, seqlens=(2048, 8192), s
                 row[key] = time_ms(fn, inputs)
         except ImportError:
             row[key] = "not installed"
-        except Exception as e:  # a baseline's failure is recorded; ours (triton, torch) fails the run (main)
+        except (Exception, CellTimeout) as e:  # a baseline's failure is recorded; ours fails the run (main)
             row[key] = str(e) if isinstance(e, CellTimeout) else f"failed: {error_line(e)}"
             if key in ("triton_ms", "torch_ms"):
                 row["error"] = row[key]
