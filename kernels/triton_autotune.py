@@ -7,9 +7,9 @@ first launch. `autotune` returns triton's Autotuner whose first launch at a tuni
 configs it will try at once in a thread pool (triton.AsyncCompileMode; the compiler's passes and ptxas run
 outside the GIL), waits for them, and then lets the autotuner benchmark and pick as before: the same
 kernels and the same choice, only compiled in parallel. A config that does not compile is left to the
-autotuner, which skips it as before. HYBRID_COMPILE_THREADS sets the pool's size (default: every core). `choices()` reports, for every kernel
-made here, the config chosen at each tuning key and the seconds its first launch there took (compiles and
-benchmarking): bench/gpu_check.py writes it into its report.
+autotuner, which skips it as before. HYBRID_COMPILE_THREADS sets the pool's size (default: every core).
+`choices()` reports, for every kernel made here, the config chosen at each tuning key and the seconds its
+first launch there took (compiles and benchmarking): bench/gpu_check.py writes it into its report.
 """
 import concurrent.futures
 import functools
