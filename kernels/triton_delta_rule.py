@@ -82,12 +82,12 @@ class _FixedConfig:
 
 
 def _autotune(configs, key, interpret_meta, **kwargs):
-    """Every key holds H: a new head count is compiled anew anyway (a constexpr), so it is also tuned at its
-    own shape instead of reusing the choice made at the first one (gpu_check: the checks' H=4 at T=300
+    """Tuned per H and `key`: a new head count is compiled anew anyway (a constexpr), so it is also tuned at
+    its own shape instead of reusing the choice made at the first one (gpu_check: the checks' H=4 at T=300
     chose the configs for its training at H=12, T=2048)."""
     if INTERPRET:
         return lambda fn: _FixedConfig(fn, interpret_meta)
-    return autotune(configs=configs, key=key, **kwargs)
+    return autotune(configs=configs, key=["H", *key], **kwargs)
 
 
 def _warps_configs():   # first: what exact fp32 launches use untuned (triton_autotune), 8 warps spill least
@@ -172,7 +172,7 @@ def _same_doc(x, doc_ptr, rows_i, rows_j, HAS_DOCS: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 # Forward stages
 # --------------------------------------------------------------------------------------------------
-@_autotune(_warps_configs(), key=["H", "K"], interpret_meta={})
+@_autotune(_warps_configs(), key=["K"], interpret_meta={})
 @triton.jit
 def _chunk_cumsum_kernel(g_ptr, G_ptr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """F0: G = cumsum(g) inside each chunk. g [B,T,H,K] -> G [B,T_pad,H,K] fp32.
@@ -188,7 +188,7 @@ def _chunk_cumsum_kernel(g_ptr, G_ptr, T, H: tl.constexpr, K: tl.constexpr, BK: 
     _store_tile(G_ptr + (b * T_pad * H + h) * K, rows, cols, H * K, T_pad, K, tl.cumsum(g, axis=0))
 
 
-@_autotune(_warps_configs(), key=["H", "K"], interpret_meta={})
+@_autotune(_warps_configs(), key=["K"], interpret_meta={})
 @triton.jit
 def _chunk_intra_kernel(q_ptr, k_ptr, G_ptr, Ak_ptr, M_ptr, doc_ptr, scale, T,
                         H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -260,7 +260,7 @@ def _store_T_block(Ti_ptr, chunk, I: tl.constexpr, J: tl.constexpr, T_pad, H: tl
     _store_tile(Ti_ptr, chunk * 64 + I * 16 + idx, J * 16 + idx, H * 64, T_pad, 64, x)
 
 
-@_autotune(_warps_configs(), key=["H"], interpret_meta={})
+@_autotune(_warps_configs(), key=[], interpret_meta={})
 @triton.jit
 def _chunk_solve_kernel(Ak_ptr, beta_ptr, Ti_ptr, T, H: tl.constexpr, DOT_PREC: tl.constexpr):
     """F2: T = (I + A)^-1 per chunk, A = Diag(beta) Ak strictly lower [64, 64], as 4 x 4 blocks of 16.
@@ -306,7 +306,7 @@ def _chunk_solve_kernel(Ak_ptr, beta_ptr, Ti_ptr, T, H: tl.constexpr, DOT_PREC: 
     _store_T_block(Ti_ptr, chunk, 3, 3, T_pad, H, T33)
 
 
-@_autotune(_bv_configs(), key=["H", "K", "V"], interpret_meta=_INTERPRET_BV)
+@_autotune(_bv_configs(), key=["K", "V"], interpret_meta=_INTERPRET_BV)
 @triton.jit
 def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, W_ptr, U_ptr, doc_ptr, T,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -332,7 +332,7 @@ def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, W_ptr, U_ptr, doc_pt
         _store_tile(U_ptr + (b * T_pad * H + h) * V, rows, cols_v, H * V, T_pad, V, u)
 
 
-@_autotune(_bv_configs(), key=["H", "K", "V"], interpret_meta=_INTERPRET_BV)
+@_autotune(_bv_configs(), key=["K", "V"], interpret_meta=_INTERPRET_BV)
 @triton.jit
 def _chunk_state_fwd_kernel(k_ptr, G_ptr, W_ptr, U_ptr, Vn_ptr, h_ptr, h0_ptr, hT_ptr, doc_ptr, T,
                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -372,7 +372,7 @@ def _chunk_state_fwd_kernel(k_ptr, G_ptr, W_ptr, U_ptr, Vn_ptr, h_ptr, h0_ptr, h
         tl.store(hT_ptr + bh * K * V + state_off, S, mask=state_mask)
 
 
-@_autotune(_bv_configs(), key=["H", "K", "V"], interpret_meta=_INTERPRET_BV)
+@_autotune(_bv_configs(), key=["K", "V"], interpret_meta=_INTERPRET_BV)
 @triton.jit
 def _chunk_output_kernel(q_ptr, G_ptr, M_ptr, Vn_ptr, h_ptr, o_ptr, doc_ptr, scale, T,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -399,7 +399,7 @@ def _chunk_output_kernel(q_ptr, G_ptr, M_ptr, Vn_ptr, h_ptr, o_ptr, doc_ptr, sca
 # --------------------------------------------------------------------------------------------------
 # Backward stages
 # --------------------------------------------------------------------------------------------------
-@_autotune(_bv_configs(), key=["H", "K", "V"], interpret_meta=_INTERPRET_BV)
+@_autotune(_bv_configs(), key=["K", "V"], interpret_meta=_INTERPRET_BV)
 @triton.jit
 def _chunk_state_bwd_kernel(q_ptr, k_ptr, G_ptr, W_ptr, M_ptr, do_ptr, dh_ptr, dVn_ptr, dhT_ptr, dh0_ptr,
                             doc_ptr, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -444,7 +444,7 @@ def _chunk_state_bwd_kernel(q_ptr, k_ptr, G_ptr, W_ptr, M_ptr, do_ptr, dh_ptr, d
     tl.store(dh0_ptr + bh * K * V + state_off, dS, mask=state_mask)
 
 
-@_autotune(_bv_configs(), key=["H", "K", "V"], interpret_meta=_INTERPRET_BV)
+@_autotune(_bv_configs(), key=["K", "V"], interpret_meta=_INTERPRET_BV)
 @triton.jit
 def _chunk_bwd_main_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, Ak_ptr, h_ptr, dh_ptr, do_ptr,
                            Vn_ptr, dVn_ptr,
@@ -549,7 +549,7 @@ def _chunk_bwd_main_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, Ti_ptr, Ak_ptr,
     _store_tile(dG_ptr + pad_k, rows, cols_k, H * K, T_pad, K, dG)
 
 
-@_autotune(_warps_configs(), key=["H", "K"], interpret_meta={})
+@_autotune(_warps_configs(), key=["K"], interpret_meta={})
 @triton.jit
 def _chunk_bwd_intra_kernel(q_ptr, k_ptr, G_ptr, dAk_ptr, dMs_ptr, dq_part_ptr, dk_part_ptr, dG_part_ptr,
                             dq_ptr, dk_ptr, dG_ptr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -638,7 +638,7 @@ def _chunk_bwd_intra_kernel(q_ptr, k_ptr, G_ptr, dAk_ptr, dMs_ptr, dq_part_ptr, 
     _store_tile(dG_ptr + pad_k, rows, cols, H * K, T_pad, K, dG)
 
 
-@_autotune(_warps_configs(), key=["H", "K"], interpret_meta={})
+@_autotune(_warps_configs(), key=["K"], interpret_meta={})
 @triton.jit
 def _chunk_reverse_cumsum_kernel(dG_ptr, dg_ptr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """B4: dg_t = sum_{s >= t in the chunk} dG_s  (G = in-chunk cumsum of g)."""
@@ -654,7 +654,7 @@ def _chunk_reverse_cumsum_kernel(dG_ptr, dg_ptr, T, H: tl.constexpr, K: tl.const
 # --------------------------------------------------------------------------------------------------
 # Decode: fused recurrence, state updated in place
 # --------------------------------------------------------------------------------------------------
-@_autotune(_bv_configs(), key=["H", "K", "V"], interpret_meta=_INTERPRET_BV, restore_value=["state_ptr"])
+@_autotune(_bv_configs(), key=["K", "V"], interpret_meta=_INTERPRET_BV, restore_value=["state_ptr"])
 @triton.jit
 def _fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, scale, T,
                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
