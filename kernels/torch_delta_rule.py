@@ -23,7 +23,7 @@ is an exp2 of a difference (torch.exp2 is about twice as fast as torch.exp on th
 (dG, dg) are still with respect to the natural-log decays.
 
 Everything except the last two lines is computed for all chunks at once; the loop over chunks
-carries only S (three small matmuls per chunk).
+carries only S (two small matmuls per chunk each way).
 
 The per-channel pairwise decay exp(G_i - G_j) is never materialised as a [C, C, K] tensor, and no
 positive number is ever exponentiated (per-step log decays of -20 reach G = -1280 inside a chunk, so
@@ -54,9 +54,9 @@ Every masked term is finite before the mask (exponents stay <= 0), so gradients 
 
 Gradients are written by hand (_chunk_backward, inside the autograd Function _ChunkedDeltaRule): the
 forward saves only its inputs and the state before each chunk; the backward recomputes each group
-of chunks' matrices, runs the recurrence backwards (dS before a chunk = (q_decayed - P W)^T dO +
-transition^T dS after it), and pushes the gradients through P and A with the same halving
-(_decayed_matmuls); with packed documents the
+of chunks' matrices, runs the recurrence backwards (the gradient of what each chunk writes,
+du = P^T dO + k_to_end dS_after, and dS before the chunk = q_decayed^T dO + state_decay dS_after - W^T du),
+and pushes the gradients through P and A with the same halving (_decayed_matmuls); with packed documents the
 same masks zero dP and dA across documents and k_to_end's gradient outside the last row's document.
 tests/test_delta_rule.py checks it against autograd through _chunk_forward.
 """
@@ -203,24 +203,23 @@ def _chunk_forward(q, k, v, G, beta, S0, masks=NO_DOCS):
     """The chunked recurrence on chunked float tensors (module docstring), differentiable by autograd.
 
     q (scaled), k [B,H,N,C,K]  v [B,H,N,C,V]  G [B,H,N,C,K or 1]  beta [B,H,N,C,1]  S0 [B,H,K,V].
-    With u = U - W S (what each step writes), a chunk maps its start state S to
-        O      = q_decayed S + P u     = (q_decayed - P W) S + P U
-        S_next = state_decay S + k_to_end^T u = (Diag(state_decay) - k_to_end^T W) S + k_to_end^T U
-    so the loop over chunks is one [K,K] @ [K,V] matmul. Returns O [B,H,N,C,V] and the states
-    [B,H,N+1,K,V] (entry n: the state before chunk n; the last: the final state).
+    A chunk that starts from state S writes u = U - W S, so
+        O      = q_decayed S + P u
+        S_next = state_decay S + k_to_end^T u
+    The loop over chunks carries S with two [C,K] @ [K,V]-sized matmuls per chunk; O's two come after it,
+    for all chunks at once. Returns O [B,H,N,C,V] and the states [B,H,N+1,K,V] (entry n: the state before
+    chunk n; the last: the final state).
     """
     K = k.shape[-1]
     P, _, _, WU, q_decayed, k_to_end, state_decay = _chunk_operators(q, k, v, G, beta, masks)
     W, U = WU[..., :K], WU[..., K:]
     k_to_end_t = k_to_end.transpose(-1, -2)                       # [B,H,N,K,C]
-    eye = torch.eye(K, dtype=k.dtype, device=k.device)
-    transition = state_decay * eye - k_to_end_t @ W               # [B,H,N,K,K]
-    write = k_to_end_t @ U                                        # [B,H,N,K,V]
-    states = [S0]
-    for transition_n, write_n in zip(transition.unbind(2), write.unbind(2)):
-        states.append(transition_n @ states[-1] + write_n)
+    states, writes = [S0], []
+    for n in range(q.shape[2]):
+        writes.append(U[:, :, n] - W[:, :, n] @ states[-1])       # u [B,H,C,V]
+        states.append(state_decay[:, :, n] * states[-1] + k_to_end_t[:, :, n] @ writes[-1])
     S = torch.stack(states, dim=2)                                # [B,H,N+1,K,V]
-    O = (q_decayed - P @ W) @ S[:, :, :-1] + P @ U                # [B,H,N,C,V]
+    O = q_decayed @ torch.stack(states[:-1], dim=2) + P @ torch.stack(writes, dim=2)  # [B,H,N,C,V]
     return O, S
 
 
@@ -259,8 +258,8 @@ def _thin_matmul(a, b):
 
 def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
     """Gradients of _chunk_forward, by hand: recompute the chunk operators from the inputs, run the
-    recurrence backwards over chunks (dS before chunk n = (q_decayed - P W)^T dO_n + transition_n^T
-    dS after it), then push the gradients through the operators for all chunks at once.
+    recurrence backwards over chunks (du_n = P^T dO_n + k_to_end dS after chunk n, and dS before it =
+    q_decayed^T dO_n + state_decay dS after it - W^T du_n), then push the gradients through the operators for all chunks at once.
 
     Shapes as _chunk_forward; S [B,H,N+1,K,V] its states; dO [B,H,N,C,V]; dS_final [B,H,K,V].
     Returns dq, dk [..,C,K], dv [..,C,V], dg [..,C,K or 1] (of the per-step log decays, not of G),
@@ -272,20 +271,23 @@ def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
     same_doc = 1.0 if doc is None else (doc == doc.transpose(-1, -2)).float()   # [..., C, C]
     W, U = WU[..., :K], WU[..., K:]
     S_start = S[:, :, :-1]                                        # [B,H,N,K,V]
-    eye = torch.eye(K, dtype=k.dtype, device=k.device)
-    transition_t = state_decay.transpose(-1, -2) * eye - W.transpose(-1, -2) @ k_to_end  # [B,H,N,K,K]
-    from_out = (q_decayed - P @ W).transpose(-1, -2) @ dO        # [B,H,N,K,V]
-    dS_after = [dS_final]                                         # dS_after[m]: grad of the state after chunk N-1-m
-    for transition_t_n, from_out_n in zip(reversed(transition_t.unbind(2)), reversed(from_out.unbind(2))):
-        dS_after.append(from_out_n + transition_t_n @ dS_after[-1])
+    del XY
+    # backwards over chunks: du = P^T dO + k_to_end dS_after,
+    # dS before the chunk = q_decayed^T dO + state_decay dS_after - W^T du
+    from_out = q_decayed.transpose(-1, -2) @ dO                  # [B,H,N,K,V]
+    du_out = P.transpose(-1, -2) @ dO                             # [B,H,N,C,V]
+    dS_after, du = [dS_final], []                                 # dS_after[m]: grad of the state after chunk N-1-m
+    for n in reversed(range(q.shape[2])):
+        du.append(du_out[:, :, n] + k_to_end[:, :, n] @ dS_after[-1])
+        dS_after.append(from_out[:, :, n] + state_decay[:, :, n] * dS_after[-1]
+                        - W[:, :, n].transpose(-1, -2) @ du[-1])
     dS0 = dS_after.pop()
     dS_next = torch.stack(dS_after[::-1], dim=2)                  # [B,H,N,K,V]: grad of the state after chunk n
-    del XY, transition_t, from_out, dS_after                      # dels: what backward holds at its peak
+    du = torch.stack(du[::-1], dim=2)                             # [B,H,N,C,V]
+    del from_out, du_out, dS_after, P                             # dels: what backward holds at its peak
 
     # through the chunk map (u = U - W S, O = q_decayed S + P u, S_next = state_decay S + k_to_end^T u)
     u = U - W @ S_start                                           # [B,H,N,C,V]
-    du = P.transpose(-1, -2) @ dO + k_to_end @ dS_next
-    del P
     dq_decayed = dO @ S_start.transpose(-1, -2)                   # [B,H,N,C,K]
     dP = (dO @ u.transpose(-1, -2)).tril() * same_doc
     dWU = torch.cat([-du @ S_start.transpose(-1, -2), du], dim=-1)
