@@ -259,7 +259,8 @@ def _thin_matmul(a, b):
 def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
     """Gradients of _chunk_forward, by hand: recompute the chunk operators from the inputs, run the
     recurrence backwards over chunks (du_n = P^T dO_n + k_to_end dS after chunk n, and dS before it =
-    q_decayed^T dO_n + state_decay dS after it - W^T du_n), then push the gradients through the operators for all chunks at once.
+    q_decayed^T dO_n + state_decay dS after it - W^T du_n), then push the gradients through the operators
+    for all chunks at once.
 
     Shapes as _chunk_forward; S [B,H,N+1,K,V] its states; dO [B,H,N,C,V]; dS_final [B,H,K,V].
     Returns dq, dk [..,C,K], dv [..,C,V], dg [..,C,K or 1] (of the per-step log decays, not of G),
