@@ -219,7 +219,7 @@ def _chunk_forward(q, k, v, G, beta, S0, masks=NO_DOCS):
         writes.append(U[:, :, n] - W[:, :, n] @ states[-1])       # u [B,H,C,V]
         states.append(state_decay[:, :, n] * states[-1] + k_to_end_t[:, :, n] @ writes[-1])
     S = torch.stack(states, dim=2)                                # [B,H,N+1,K,V]
-    O = q_decayed @ torch.stack(states[:-1], dim=2) + P @ torch.stack(writes, dim=2)  # [B,H,N,C,V]
+    O = q_decayed @ S[:, :, :-1] + P @ torch.stack(writes, dim=2)  # [B,H,N,C,V]
     return O, S
 
 
