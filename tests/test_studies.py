@@ -260,3 +260,34 @@ def test_seed_stats_pools_sweeps(tmp_path, capsys):
                                                "pooled sweeps need distinct seeds")
     assert seed_stats.main([first["path"], held_out["path"], "--only", "nope"]) == 2
     assert capsys.readouterr().err.startswith("error: --only nope: not a variant of these sweeps (attn, low, twin)")
+
+
+def test_sink_eviction_splits_the_cost_by_layer_and_head(tmp_path, capsys):
+    """Each head's share W_o^h o_h sums to the layer's output; layer 0's input is the same under both caches
+    (moved by 0); with one layer, evicting in that layer only is evicting everywhere."""
+    from config import from_raw
+    from model import GPT
+    from studies import sink_eviction
+    from train import save_checkpoint
+    torch.manual_seed(0)
+    for n_layer in (1, 2):
+        cfg = from_raw({"model": {"vocab_size": 257, "d_model": 32, "n_layer": n_layer, "pattern": ["g"],
+                                  "layers": {"g": {"kind": "attn", "n_heads": 4}}, "mlp": {"hidden": 64}},
+                        "data": {"kind": "stdlib", "bos": True}, "train": {"seq_len": 16, "batch_size": 2}})
+        model = GPT(cfg.model).eval()
+        o = torch.randn(2, 5, 32)
+        torch.testing.assert_close(sink_eviction.head_outputs(model.blocks[0].mixer, o).sum(2),
+                                   model.blocks[0].mixer.wo(o), rtol=1e-5, atol=1e-5)
+        run = tmp_path / f"l{n_layer}"
+        run.mkdir()
+        save_checkpoint(str(run / "ckpt_3.pt"), {"model": model.state_dict(), "config": cfg.raw, "step": 3})
+        r = sink_eviction.study(str(run), budget=6, n_sinks=2, factor=2, n_seqs=2, top=2)
+        assert r["step"] == 3 and r["layers"][0][2] == 0.0 and r["layers"][0][3] > 0 and r["layers"][0][1] > 0
+        assert len(r["layers"]) == n_layer and len(r["heads"]) == 2 and len(r["ratio"]) == 4
+        if n_layer == 1:
+            assert math.isclose(r["layers"][0][4], r["ppl_window"], rel_tol=1e-5)
+    assert sink_eviction.main([str(run), "--budget", "6", "--n_sinks", "2", "--factor", "2", "--n_seqs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| layer | residual norm entering it, position 0 / others | residual entering it moved by |" in out and "| 1 | " in out
+    assert sink_eviction.main([str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")

@@ -1,0 +1,186 @@
+"""Where the cost of evicting the first tokens comes from (issue 16): why window-only eviction collapses
+one model that parks attention on position 0 and barely hurts another that parks as much.
+
+For each run's last checkpoint, on the streams evals.eval_streaming decodes (factor x the training length,
+its seeds), two evicting caches are compared: the first n_sinks tokens + the window ("sinks") and the
+window alone ("window"). Per global attention layer it prints
+- how far the window moves the residual entering the layer and the layer's attention output, relative to
+  the residual's norm (mean over the tokens past the budget, where the two caches differ);
+- the perplexity when only that layer evicts the first tokens (every other layer keeps them), beside
+  the window in every layer and the first tokens in every layer;
+- the norm of the residual entering it at position 0 over the other positions' (a "massive activation");
+and for the layer that parks most (the largest share on position 0), per head: the share on position 0,
+how large the head's output is (|W_o^h o_h| with the first tokens kept, relative to the residual), how much
+the window changes it, and the value it reads from position 0 against the other positions (|W_o^h v_0| /
+mean_j |W_o^h v_j|, on sequences of the training length): a parked head whose first-token value is small
+writes little there, so what it reads from the window instead decides the harm.
+
+    python studies/sink_eviction.py runs/streaming_long/global_bos_lr1e-2_h32_4k \
+        runs/streaming_long/global_bos_lr3e-3_h32_4k --budget 16 --factor 4 --n_seqs 8
+"""
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import evals  # noqa: E402
+from data.tokens import DataError  # noqa: E402
+from sample import load_model  # noqa: E402
+from studies.attention_sinks import checkpoints  # noqa: E402
+
+
+def decode(model, x, budget, n_sinks, keep_heads=None):
+    """evals.streaming_logits with hooks -> (logits, {layer: {"h": residual entering the layer,
+    "o": every head's attention output before W_o}, "final": {"h": the residual entering the last norm}}),
+    tensors [B, L, ...]."""
+    rec = {i: {"h": [], "o": []} for i in evals.global_layers(model)}
+    rec["final"] = {"h": []}
+    hooks = [model.norm_f.register_forward_hook(lambda m, a, out: rec["final"]["h"].append(a[0]))]
+    for i in evals.global_layers(model):
+        block = model.blocks[i]
+        hooks.append(block.norm1.register_forward_hook(lambda m, a, out, i=i: rec[i]["h"].append(a[0])))
+        hooks.append(block.mixer.wo.register_forward_hook(lambda m, a, out, i=i: rec[i]["o"].append(a[0])))
+    try:
+        logits = evals.streaming_logits(model, x, budget, n_sinks, keep_heads)
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, {i: {k: torch.cat(v, 1) for k, v in r.items()} for i, r in rec.items()}
+
+
+def perplexity(logits, y):
+    return math.exp(min(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1).item(), 50.0))
+
+
+def head_outputs(mixer, o):
+    """o [B, L, Hq*D] -> each head's share of the layer's output W_o^h o_h [B, L, Hq, d_model]."""
+    Hq, D = mixer.cfg.n_heads, mixer.cfg.head_dim
+    w = mixer.wo.weight.view(-1, Hq, D)                                     # [d_model, Hq, D]
+    return torch.einsum("blhd,mhd->blhm", o.view(*o.shape[:2], Hq, D), w)
+
+
+def value_ratio(model, cfg, layer, n_seqs):
+    """Per head of `layer`: |W_o^h v_0| / mean over j >= 1 of |W_o^h v_j| on n_seqs sequences of the
+    training length (values are not rotated, so this is what the head writes when it reads one key)."""
+    block = model.blocks[layer]
+    mixer = block.mixer
+    seen = []
+    hook = block.norm1.register_forward_hook(lambda m, a, out: seen.append(mixer.wv(out)))
+    try:
+        model(evals._text_batch(cfg, n_seqs, cfg.train.seq_len, offset=4242)[0])
+    finally:
+        hook.remove()
+    v = seen[0].view(n_seqs, cfg.train.seq_len, mixer.cfg.n_kv_heads, mixer.cfg.head_dim)
+    v = v.repeat_interleave(mixer.cfg.n_heads // mixer.cfg.n_kv_heads, 2)  # [B, T, Hq, D]
+    wv = head_outputs(mixer, v.flatten(2)).norm(dim=-1)                    # [B, T, Hq]
+    return wv[:, 0].mean(0) / wv[:, 1:].mean((0, 1))
+
+
+def residual_ratios(model, cfg, layers, n_seqs):
+    """Per layer: the norm of the residual entering it at position 0 over its mean norm at the other
+    positions, on n_seqs sequences of the training length (LLMs' sink token carries a "massive
+    activation", hundreds of times the others, from the first layers on: Sun et al. 2024)."""
+    seen = {}                            # (a forward hook must return None, or it replaces the output)
+    hooks = [model.blocks[i].norm1.register_forward_hook(lambda m, a, out, i=i: seen.update({i: a[0].norm(dim=-1)}))
+             for i in layers]
+    try:
+        model(evals._text_batch(cfg, n_seqs, cfg.train.seq_len, offset=4242)[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    return {i: (seen[i][:, 0].mean() / seen[i][:, 1:].mean()).item() for i in layers}
+
+
+@torch.no_grad()
+def study(folder, budget, n_sinks, factor, n_seqs, top):
+    step, path = checkpoints(folder)[-1]
+    model, cfg = load_model(path)
+    model.eval()
+    if not evals._is_text(cfg):
+        raise DataError(f"{folder}: a text model is needed (this one trains on {cfg.data.kind})")
+    layers = evals.global_layers(model)
+    if not layers:
+        raise DataError(f"{folder}: the model has no global softmax attention layer")
+    x, y = evals._text_batch(cfg, n_seqs, int(factor * cfg.train.seq_len), offset=12345)
+    logits_s, sinks = decode(model, x, budget, n_sinks)
+    logits_w, window = decode(model, x, budget, 0)
+    past = slice(budget, None)                                              # where the caches differ
+    rows, massive = [], residual_ratios(model, cfg, layers, n_seqs)
+    for i in layers:
+        mixer = model.blocks[i].mixer
+        h = sinks[i]["h"][:, past]
+        scale = h.norm(dim=-1)
+        moved_in = ((window[i]["h"][:, past] - h).norm(dim=-1) / scale).mean().item()
+        out_s = mixer.wo(sinks[i]["o"][:, past])
+        out_w = mixer.wo(window[i]["o"][:, past])
+        moved_out = ((out_w - out_s).norm(dim=-1) / scale).mean().item()
+        keep = {j: torch.ones(model.blocks[j].mixer.cfg.n_heads, dtype=torch.bool) for j in layers}
+        keep[i] = torch.zeros(mixer.cfg.n_heads, dtype=torch.bool)
+        only = perplexity(evals.streaming_logits(model, x, budget, n_sinks, keep), y)
+        rows.append((i, massive[i], moved_in, moved_out, only))
+    h = sinks["final"]["h"][:, past]
+    moved_final = ((window["final"]["h"][:, past] - h).norm(dim=-1) / h.norm(dim=-1)).mean().item()
+    shares = {i: r["key0_heads"] for i, r in evals.layer_attention_shares(model, cfg, layers).items()}
+    park = max(layers, key=lambda i: sum(shares[i]))
+    mixer = model.blocks[park].mixer
+    h = sinks[park]["h"][:, past].norm(dim=-1)[..., None]                   # [B, L', 1]
+    c_s = head_outputs(mixer, sinks[park]["o"][:, past])
+    c_w = head_outputs(mixer, window[park]["o"][:, past])
+    size = (c_s.norm(dim=-1) / h).mean((0, 1))                              # [Hq]
+    change = ((c_w - c_s).norm(dim=-1) / h).mean((0, 1))
+    ratio = value_ratio(model, cfg, park, n_seqs)
+    heads = sorted(range(mixer.cfg.n_heads), key=lambda k: -shares[park][k])[:top]
+    return {"step": step, "ppl_sinks": perplexity(logits_s, y), "ppl_window": perplexity(logits_w, y),
+            "layers": rows, "moved_final": moved_final, "park": park, "shares": shares[park], "size": size.tolist(),
+            "change": change.tolist(), "ratio": ratio.tolist(), "heads": heads}
+
+
+def table(folder, r, budget, n_sinks):
+    lines = [f"{folder} (step {r['step']}), budget {budget}: perplexity {r['ppl_sinks']:.2f} with the "
+             f"{n_sinks} first tokens in every layer, {r['ppl_window']:.2f} with the window alone in every layer", "",
+             "| layer | residual norm entering it, position 0 / others | residual entering it moved by | "
+             "its attention output moved by | perplexity, window in this layer only |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {i} | {m:.2f} | {a:.3f} | {b:.3f} | {p:.2f} |" for i, m, a, b, p in r["layers"]]
+    lines.append(f"| output (before the last norm) | | {r['moved_final']:.3f} | | {r['ppl_window']:.2f} (every layer) |")
+    lines += ["", f"layer {r['park']}, the {len(r['heads'])} heads with the most attention on position 0 "
+              "(sizes and changes relative to the residual's norm):", "",
+              "| head | share on position 0 | output with the first tokens | changed by the window | value of position 0 / others |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {k} | {r['shares'][k]:.3f} | {r['size'][k]:.3f} | {r['change'][k]:.3f} | {r['ratio'][k]:.2f} |"
+              for k in r["heads"]]
+    parked = [k for k, s in enumerate(r["shares"]) if s > 0.3]
+    if parked:
+        mean = lambda xs: sum(xs[k] for k in parked) / len(parked)  # noqa: E731
+        lines.append(f"| mean of the {len(parked)} heads > 0.3 | {mean(r['shares']):.3f} | {mean(r['size']):.3f} | "
+                     f"{mean(r['change']):.3f} | {mean(r['ratio']):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run folders with ckpt_<step>.pt files (the last one is read)")
+    p.add_argument("--budget", type=int, default=16, help="keys kept by the evicting caches")
+    p.add_argument("--n_sinks", type=int, default=4, help="first tokens kept by sinks + window")
+    p.add_argument("--factor", type=float, default=4, help="stream length in training lengths")
+    p.add_argument("--n_seqs", type=int, default=8)
+    p.add_argument("--top", type=int, default=8, help="heads listed for the layer that parks most")
+    args = p.parse_args(argv)
+    try:
+        evals.check_options("streaming", {"budget": args.budget, "n_sinks": args.n_sinks, "factor": args.factor})
+        for folder in args.runs:
+            print(table(folder, study(folder, args.budget, args.n_sinks, args.factor, args.n_seqs, args.top),
+                        args.budget, args.n_sinks), flush=True)
+    except (DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
