@@ -250,7 +250,7 @@ def global_layers(model):
     return [i for i, b in enumerate(model.blocks) if isinstance(b.mixer, Attention) and b.mixer.cfg.window is None]
 
 
-def _streaming_attention(mixer, x, cache, budget, n_sinks, keep_heads=None):
+def _streaming_attention(mixer, x, cache, budget, n_sinks, keep_heads=None, sink_values=True):
     """One decode step of a global Attention layer with an evicting cache.
 
     cache: dict with pre-RoPE keys k and values v [B, S, Hkv, D]. The new token's key joins the cache;
@@ -259,7 +259,9 @@ def _streaming_attention(mixer, x, cache, budget, n_sinks, keep_heads=None):
     inside the cache, 0..n, the query at n (its own slot), so positions never exceed the budget.
     budget None = keep everything (positions are then the absolute ones: the model's own decode).
     keep_heads (bool [Hq], with a budget): only these query heads keep the n_sinks first tokens (and
-    budget - n_sinks recent keys); the others see the most recent `budget` keys alone."""
+    budget - n_sinks recent keys); the others see the most recent `budget` keys alone. sink_values False:
+    once the cache evicts, the n_sinks first tokens keep their keys but read as zero values (a sink that
+    draws attention and writes nothing)."""
     c = mixer.cfg
     B = x.shape[0]
     q = mixer.wq(x).view(B, 1, c.n_heads, c.head_dim)
@@ -271,15 +273,26 @@ def _streaming_attention(mixer, x, cache, budget, n_sinks, keep_heads=None):
     cache["v"] = torch.cat([cache["v"], v], 1)
     if budget is None:
         return mixer.wo(_attend_cached(mixer, q, cache["k"], cache["v"]).reshape(B, 1, -1))
+    evicting = cache["k"].shape[1] > budget
     if keep_heads is None:
         cache["k"], cache["v"] = _evict(cache["k"], budget, n_sinks), _evict(cache["v"], budget, n_sinks)
-        return mixer.wo(_attend_cached(mixer, q, cache["k"], cache["v"]).reshape(B, 1, -1))
+        v = cache["v"] if sink_values or not evicting else _zero_first(cache["v"], n_sinks)
+        return mixer.wo(_attend_cached(mixer, q, cache["k"], v).reshape(B, 1, -1))
     # the cache holds the first n_sinks tokens and the last `budget` keys: each head set reads its part
     cache["k"], cache["v"] = _evict(cache["k"], budget + n_sinks, n_sinks), _evict(cache["v"], budget + n_sinks, n_sinks)
-    o_sinks = _attend_cached(mixer, q, _evict(cache["k"], budget, n_sinks), _evict(cache["v"], budget, n_sinks))
+    v = _evict(cache["v"], budget, n_sinks)
+    v = v if sink_values or not evicting else _zero_first(v, n_sinks)
+    o_sinks = _attend_cached(mixer, q, _evict(cache["k"], budget, n_sinks), v)
     o_window = _attend_cached(mixer, q, cache["k"][:, -budget:], cache["v"][:, -budget:])
     o = torch.where(keep_heads[:, None], o_sinks, o_window)          # [B, 1, Hq, D]
     return mixer.wo(o.reshape(B, 1, -1))
+
+
+def _zero_first(v, n):
+    """v [B, S, ...] with its first n rows zero (a copy)."""
+    v = v.clone()
+    v[:, :n] = 0
+    return v
 
 
 def _evict(t, budget, n_sinks):
@@ -300,12 +313,13 @@ def _attend_cached(mixer, q, k, v):
 
 
 @torch.no_grad()
-def streaming_logits(model, x, budget=None, n_sinks=4, keep_heads=None):
+def streaming_logits(model, x, budget=None, n_sinks=4, keep_heads=None, sink_values=True):
     """Token-by-token decode of x [B, L] where every global attention layer keeps an evicting cache
     (see _streaming_attention); other layers (windowed attention, delta rule) use their own caches.
     Returns logits [B, L, vocab]. budget None = full cache (equals model.forward). keep_heads
     {layer index: bool [Hq]}: only these heads keep the n_sinks first tokens (a global layer not in it:
-    none of its heads); None = every head."""
+    none of its heads); None = every head. sink_values False: the kept first tokens read as zero values
+    once the caches evict (_streaming_attention)."""
     B, L = x.shape
     caches = []
     for i, block in enumerate(model.blocks):
@@ -322,7 +336,7 @@ def streaming_logits(model, x, budget=None, n_sinks=4, keep_heads=None):
         for block, cache in zip(model.blocks, caches):
             a = block.norm1(h)
             if isinstance(cache, dict):
-                h = h + _streaming_attention(block.mixer, a, cache, budget, n_sinks, cache["keep_heads"])
+                h = h + _streaming_attention(block.mixer, a, cache, budget, n_sinks, cache["keep_heads"], sink_values)
             else:
                 h = h + block.mixer(a, cache, t)
             h = h + block.mlp(block.norm2(h))

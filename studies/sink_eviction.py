@@ -7,13 +7,15 @@ window alone ("window"). Per global attention layer it prints
 - how far the window moves the residual entering the layer and the layer's attention output, relative to
   the residual's norm (mean over the tokens past the budget, where the two caches differ);
 - the perplexity when only that layer evicts the first tokens (every other layer keeps them), beside
-  the window in every layer and the first tokens in every layer;
+  the window in every layer, the first tokens in every layer, and the first tokens kept as keys whose
+  values read as zero (do the heads need what the sink holds, or only a place to park?);
 - the norm of the residual entering it at position 0 over the other positions' (a "massive activation");
 and for the layer that parks most (the largest share on position 0), per head: the share on position 0,
 how large the head's output is (|W_o^h o_h| with the first tokens kept, relative to the residual), how much
-the window changes it, and the value it reads from position 0 against the other positions (|W_o^h v_0| /
-mean_j |W_o^h v_j|, on sequences of the training length): a parked head whose first-token value is small
-writes little there, so what it reads from the window instead decides the harm.
+the window changes it, the value it reads from position 0 against the other positions (|W_o^h v_0| /
+mean_j |W_o^h v_j|, on sequences of the training length; a drained sink is near 0) and how large the other
+positions' values are (mean_j |W_o^h v_j| over the residual's norm): a parked head with small values
+writes little wherever its attention goes.
 
     python studies/sink_eviction.py runs/streaming_long/global_bos_lr1e-2_h32_4k \
         runs/streaming_long/global_bos_lr3e-3_h32_4k --budget 16 --factor 4 --n_seqs 8
@@ -64,21 +66,24 @@ def head_outputs(mixer, o):
     return torch.einsum("blhd,mhd->blhm", o.view(*o.shape[:2], Hq, D), w)
 
 
-def value_ratio(model, cfg, layer, n_seqs):
-    """Per head of `layer`: |W_o^h v_0| / mean over j >= 1 of |W_o^h v_j| on n_seqs sequences of the
-    training length (values are not rotated, so this is what the head writes when it reads one key)."""
+def value_sizes(model, cfg, layer, n_seqs):
+    """Per head of `layer`, on n_seqs sequences of the training length (values are not rotated, so
+    |W_o^h v_j| is what the head writes when it reads key j alone): |W_o^h v_0| / mean over j >= 1 of
+    |W_o^h v_j|, and that mean over the mean norm of the residual entering the layer. -> two [Hq]."""
     block = model.blocks[layer]
     mixer = block.mixer
     seen = []
-    hook = block.norm1.register_forward_hook(lambda m, a, out: seen.append(mixer.wv(out)))
+    hook = block.norm1.register_forward_hook(lambda m, a, out: seen.append((mixer.wv(out), a[0].norm(dim=-1))))
     try:
         model(evals._text_batch(cfg, n_seqs, cfg.train.seq_len, offset=4242)[0])
     finally:
         hook.remove()
-    v = seen[0].view(n_seqs, cfg.train.seq_len, mixer.cfg.n_kv_heads, mixer.cfg.head_dim)
+    v, h = seen[0]
+    v = v.view(n_seqs, cfg.train.seq_len, mixer.cfg.n_kv_heads, mixer.cfg.head_dim)
     v = v.repeat_interleave(mixer.cfg.n_heads // mixer.cfg.n_kv_heads, 2)  # [B, T, Hq, D]
     wv = head_outputs(mixer, v.flatten(2)).norm(dim=-1)                    # [B, T, Hq]
-    return wv[:, 0].mean(0) / wv[:, 1:].mean((0, 1))
+    others = wv[:, 1:].mean((0, 1))
+    return wv[:, 0].mean(0) / others, others / h[:, 1:].mean()
 
 
 def residual_ratios(model, cfg, layers, n_seqs):
@@ -109,6 +114,7 @@ def study(folder, budget, n_sinks, factor, n_seqs, top):
     x, y = evals._text_batch(cfg, n_seqs, int(factor * cfg.train.seq_len), offset=12345)
     logits_s, sinks = decode(model, x, budget, n_sinks)
     logits_w, window = decode(model, x, budget, 0)
+    ppl_zero = perplexity(evals.streaming_logits(model, x, budget, n_sinks, sink_values=False), y)
     past = slice(budget, None)                                              # where the caches differ
     rows, massive = [], residual_ratios(model, cfg, layers, n_seqs)
     for i in layers:
@@ -133,16 +139,18 @@ def study(folder, budget, n_sinks, factor, n_seqs, top):
     c_w = head_outputs(mixer, window[park]["o"][:, past])
     size = (c_s.norm(dim=-1) / h).mean((0, 1))                              # [Hq]
     change = ((c_w - c_s).norm(dim=-1) / h).mean((0, 1))
-    ratio = value_ratio(model, cfg, park, n_seqs)
+    ratio, value = value_sizes(model, cfg, park, n_seqs)
     heads = sorted(range(mixer.cfg.n_heads), key=lambda k: -shares[park][k])[:top]
     return {"step": step, "ppl_sinks": perplexity(logits_s, y), "ppl_window": perplexity(logits_w, y),
+            "ppl_zero": ppl_zero,
             "layers": rows, "moved_final": moved_final, "park": park, "shares": shares[park], "size": size.tolist(),
-            "change": change.tolist(), "ratio": ratio.tolist(), "heads": heads}
+            "change": change.tolist(), "ratio": ratio.tolist(), "value": value.tolist(), "heads": heads}
 
 
 def table(folder, r, budget, n_sinks):
     lines = [f"{folder} (step {r['step']}), budget {budget}: perplexity {r['ppl_sinks']:.2f} with the "
-             f"{n_sinks} first tokens in every layer, {r['ppl_window']:.2f} with the window alone in every layer", "",
+             f"{n_sinks} first tokens in every layer, {r['ppl_window']:.2f} with the window alone in every layer, "
+             f"{r['ppl_zero']:.2f} with the first tokens' keys kept and their values zeroed", "",
              "| layer | residual norm entering it, position 0 / others | residual entering it moved by | "
              "its attention output moved by | perplexity, window in this layer only |",
              "|---|---|---|---|---|"]
@@ -150,15 +158,15 @@ def table(folder, r, budget, n_sinks):
     lines.append(f"| output (before the last norm) | | {r['moved_final']:.3f} | | {r['ppl_window']:.2f} (every layer) |")
     lines += ["", f"layer {r['park']}, the {len(r['heads'])} heads with the most attention on position 0 "
               "(sizes and changes relative to the residual's norm):", "",
-              "| head | share on position 0 | output with the first tokens | changed by the window | value of position 0 / others |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {k} | {r['shares'][k]:.3f} | {r['size'][k]:.3f} | {r['change'][k]:.3f} | {r['ratio'][k]:.2f} |"
+              "| head | share on position 0 | output with the first tokens | changed by the window | value of position 0 / others | "
+              "value of the others |", "|---|---|---|---|---|---|"]
+    lines += [f"| {k} | {r['shares'][k]:.3f} | {r['size'][k]:.3f} | {r['change'][k]:.3f} | {r['ratio'][k]:.2f} | {r['value'][k]:.3f} |"
               for k in r["heads"]]
     parked = [k for k, s in enumerate(r["shares"]) if s > 0.3]
     if parked:
         mean = lambda xs: sum(xs[k] for k in parked) / len(parked)  # noqa: E731
         lines.append(f"| mean of the {len(parked)} heads > 0.3 | {mean(r['shares']):.3f} | {mean(r['size']):.3f} | "
-                     f"{mean(r['change']):.3f} | {mean(r['ratio']):.2f} |")
+                     f"{mean(r['change']):.3f} | {mean(r['ratio']):.2f} | {mean(r['value']):.3f} |")
     return "\n".join(lines) + "\n"
 
 

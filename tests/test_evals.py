@@ -57,6 +57,27 @@ def test_streaming_eviction_reassigns_positions(n_sinks):
     assert (evals.streaming_logits(model, x, budget, n_sinks)[:, :budget] - model(x[:, :budget])[0]).abs().max() < 1e-4
 
 
+def test_streaming_zero_sink_values():
+    """sink_values=False: once the cache evicts, the kept first tokens draw attention but write nothing.
+    It changes only the tokens past the budget, and is not the window alone; where the first tokens'
+    values are zero anyway (their embedding zeroed: RMSNorm gives 0, no biases) it changes nothing."""
+    model, _ = make(["g"], {"g": GLOBAL})
+    x = torch.randint(1, 40, (2, 12))
+    budget, n_sinks = 6, 2
+    kept, window = (evals.streaming_logits(model, x, budget, s) for s in (n_sinks, 0))
+    zero = evals.streaming_logits(model, x, budget, n_sinks, sink_values=False)
+    assert (zero[:, :budget] - kept[:, :budget]).abs().max() < 1e-5    # token `budget` is the first to evict
+    assert (zero[:, budget:] - kept[:, budget:]).abs().max() > 1e-2
+    assert (zero[:, budget:] - window[:, budget:]).abs().max() > 1e-2
+    with torch.no_grad():
+        model.wte.weight[0] = 0
+    x[:, :n_sinks] = 0
+    kept = evals.streaming_logits(model, x, budget, n_sinks)
+    every = {0: torch.ones(4, dtype=torch.bool)}
+    for heads in (None, every):
+        assert (evals.streaming_logits(model, x, budget, n_sinks, heads, sink_values=False) - kept).abs().max() < 1e-5
+
+
 def test_streaming_keep_heads_selects_each_heads_cache():
     """keep_heads: every head = sinks + window, none = window only; with the other heads' output
     columns zeroed, keeping one head's first tokens equals the sinks + window decode, and not keeping

@@ -283,7 +283,7 @@ def test_sink_eviction_splits_the_cost_by_layer_and_head(tmp_path, capsys):
         save_checkpoint(str(run / "ckpt_3.pt"), {"model": model.state_dict(), "config": cfg.raw, "step": 3})
         r = sink_eviction.study(str(run), budget=6, n_sinks=2, factor=2, n_seqs=2, top=2)
         assert r["step"] == 3 and r["layers"][0][2] == 0.0 and r["layers"][0][3] > 0 and r["layers"][0][1] > 0
-        assert len(r["layers"]) == n_layer and len(r["heads"]) == 2 and len(r["ratio"]) == 4
+        assert len(r["layers"]) == n_layer and len(r["heads"]) == 2 and len(r["ratio"]) == len(r["value"]) == 4
         if n_layer == 1:
             assert math.isclose(r["layers"][0][4], r["ppl_window"], rel_tol=1e-5)
     assert sink_eviction.main([str(run), "--budget", "6", "--n_sinks", "2", "--factor", "2", "--n_seqs", "2"]) == 0
