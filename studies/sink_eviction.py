@@ -36,27 +36,45 @@ from sample import load_model  # noqa: E402
 from studies.attention_sinks import checkpoints  # noqa: E402
 
 
-def decode(model, x, budget, n_sinks, keep_heads=None):
+def decode(model, x, budget, n_sinks):
     """evals.streaming_logits with hooks -> (logits, {layer: {"h": residual entering the layer,
     "o": every head's attention output before W_o}, "final": {"h": the residual entering the last norm}}),
     tensors [B, L, ...]."""
-    rec = {i: {"h": [], "o": []} for i in evals.global_layers(model)}
-    rec["final"] = {"h": []}
+    layers = evals.global_layers(model)
+    rec = {i: {"h": [], "o": []} for i in layers} | {"final": {"h": []}}
     hooks = [model.norm_f.register_forward_hook(lambda m, a, out: rec["final"]["h"].append(a[0]))]
-    for i in evals.global_layers(model):
+    for i in layers:
         block = model.blocks[i]
         hooks.append(block.norm1.register_forward_hook(lambda m, a, out, i=i: rec[i]["h"].append(a[0])))
         hooks.append(block.mixer.wo.register_forward_hook(lambda m, a, out, i=i: rec[i]["o"].append(a[0])))
     try:
-        logits = evals.streaming_logits(model, x, budget, n_sinks, keep_heads)
+        logits = evals.streaming_logits(model, x, budget, n_sinks)
     finally:
         for h in hooks:
             h.remove()
     return logits, {i: {k: torch.cat(v, 1) for k, v in r.items()} for i, r in rec.items()}
 
 
+def block_inputs(model, x):
+    """{layer: the residual entering it [B, T, d_model]} in a forward over x."""
+    seen = {}                            # (a forward hook must return None, or it replaces the output)
+    hooks = [b.norm1.register_forward_hook(lambda m, a, out, i=i: seen.update({i: a[0]}))
+             for i, b in enumerate(model.blocks)]
+    try:
+        model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
 def perplexity(logits, y):
     return math.exp(min(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1).item(), 50.0))
+
+
+def moved(a, b):
+    """Mean over tokens of |a - b| / |b| (a, b [..., d_model])."""
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).mean().item()
 
 
 def head_outputs(mixer, o):
@@ -66,39 +84,50 @@ def head_outputs(mixer, o):
     return torch.einsum("blhd,mhd->blhm", o.view(*o.shape[:2], Hq, D), w)
 
 
-def value_sizes(model, cfg, layer, n_seqs):
-    """Per head of `layer`, on n_seqs sequences of the training length (values are not rotated, so
-    |W_o^h v_j| is what the head writes when it reads key j alone): |W_o^h v_0| / mean over j >= 1 of
-    |W_o^h v_j|, and that mean over the mean norm of the residual entering the layer. -> two [Hq]."""
-    block = model.blocks[layer]
+def value_sizes(block, h):
+    """Per head of block's attention, on the residual h [B, T, d_model] entering it (values are not
+    rotated, so |W_o^h v_j| is what the head writes when it reads key j alone): |W_o^h v_0| / mean over
+    j >= 1 of |W_o^h v_j|, and that mean over the mean norm of h. -> two [Hq]."""
     mixer = block.mixer
-    seen = []
-    hook = block.norm1.register_forward_hook(lambda m, a, out: seen.append((mixer.wv(out), a[0].norm(dim=-1))))
-    try:
-        model(evals._text_batch(cfg, n_seqs, cfg.train.seq_len, offset=4242)[0])
-    finally:
-        hook.remove()
-    v, h = seen[0]
-    v = v.view(n_seqs, cfg.train.seq_len, mixer.cfg.n_kv_heads, mixer.cfg.head_dim)
+    v = mixer.wv(block.norm1(h)).view(*h.shape[:2], mixer.cfg.n_kv_heads, mixer.cfg.head_dim)
     v = v.repeat_interleave(mixer.cfg.n_heads // mixer.cfg.n_kv_heads, 2)  # [B, T, Hq, D]
     wv = head_outputs(mixer, v.flatten(2)).norm(dim=-1)                    # [B, T, Hq]
     others = wv[:, 1:].mean((0, 1))
-    return wv[:, 0].mean(0) / others, others / h[:, 1:].mean()
+    return wv[:, 0].mean(0) / others, others / h[:, 1:].norm(dim=-1).mean()
 
 
-def residual_ratios(model, cfg, layers, n_seqs):
-    """Per layer: the norm of the residual entering it at position 0 over its mean norm at the other
-    positions, on n_seqs sequences of the training length (LLMs' sink token carries a "massive
-    activation", hundreds of times the others, from the first layers on: Sun et al. 2024)."""
-    seen = {}                            # (a forward hook must return None, or it replaces the output)
-    hooks = [model.blocks[i].norm1.register_forward_hook(lambda m, a, out, i=i: seen.update({i: a[0].norm(dim=-1)}))
-             for i in layers]
-    try:
-        model(evals._text_batch(cfg, n_seqs, cfg.train.seq_len, offset=4242)[0])
-    finally:
-        for h in hooks:
-            h.remove()
-    return {i: (seen[i][:, 0].mean() / seen[i][:, 1:].mean()).item() for i in layers}
+def layer_rows(model, x, y, budget, n_sinks, sinks, window, inputs):
+    """Per global layer: (layer, residual norm at position 0 / the others' (LLMs' sink token carries a
+    "massive activation", hundreds of times the others, from the first layers on: Sun et al. 2024), the
+    residual entering it moved by, its attention output moved by, perplexity with the window in it alone)."""
+    layers, past = evals.global_layers(model), slice(budget, None)     # past: where the two caches differ
+    rows = []
+    for i in layers:
+        norms = inputs[i].norm(dim=-1)
+        h_s, h_w = sinks[i]["h"][:, past], window[i]["h"][:, past]
+        wo = model.blocks[i].mixer.wo
+        moved_out = ((wo(window[i]["o"][:, past]) - wo(sinks[i]["o"][:, past])).norm(dim=-1) / h_s.norm(dim=-1))
+        keep = {j: torch.ones(model.blocks[j].mixer.cfg.n_heads, dtype=torch.bool) for j in layers if j != i}
+        rows.append((i, (norms[:, 0].mean() / norms[:, 1:].mean()).item(), moved(h_w, h_s), moved_out.mean().item(),
+                     perplexity(evals.streaming_logits(model, x, budget, n_sinks, keep), y)))
+    return rows
+
+
+def parking_heads(model, cfg, budget, sinks, window, inputs):
+    """The global layer with the most attention on position 0 and, per head: its share there, what it
+    writes with the first tokens kept and how much the window changes that (both over the norm of the
+    residual entering the layer, mean over the tokens past the budget), and value_sizes."""
+    layers, past = evals.global_layers(model), slice(budget, None)
+    shares = {i: r["key0_heads"] for i, r in evals.layer_attention_shares(model, cfg, layers).items()}
+    park = max(layers, key=lambda i: sum(shares[i]))
+    mixer = model.blocks[park].mixer
+    h = sinks[park]["h"][:, past].norm(dim=-1)[..., None]                   # [B, L', 1]
+    c_s = head_outputs(mixer, sinks[park]["o"][:, past])
+    c_w = head_outputs(mixer, window[park]["o"][:, past])
+    ratio, value = value_sizes(model.blocks[park], inputs[park])
+    return {"park": park, "shares": shares[park], "size": (c_s.norm(dim=-1) / h).mean((0, 1)).tolist(),
+            "change": ((c_w - c_s).norm(dim=-1) / h).mean((0, 1)).tolist(), "ratio": ratio.tolist(),
+            "value": value.tolist()}
 
 
 @torch.no_grad()
@@ -108,43 +137,18 @@ def study(folder, budget, n_sinks, factor, n_seqs, top):
     model.eval()
     if not evals._is_text(cfg):
         raise DataError(f"{folder}: a text model is needed (this one trains on {cfg.data.kind})")
-    layers = evals.global_layers(model)
-    if not layers:
+    if not evals.global_layers(model):
         raise DataError(f"{folder}: the model has no global softmax attention layer")
     x, y = evals._text_batch(cfg, n_seqs, int(factor * cfg.train.seq_len), offset=12345)
     logits_s, sinks = decode(model, x, budget, n_sinks)
     logits_w, window = decode(model, x, budget, 0)
-    ppl_zero = perplexity(evals.streaming_logits(model, x, budget, n_sinks, sink_values=False), y)
-    past = slice(budget, None)                                              # where the caches differ
-    rows, massive = [], residual_ratios(model, cfg, layers, n_seqs)
-    for i in layers:
-        mixer = model.blocks[i].mixer
-        h = sinks[i]["h"][:, past]
-        scale = h.norm(dim=-1)
-        moved_in = ((window[i]["h"][:, past] - h).norm(dim=-1) / scale).mean().item()
-        out_s = mixer.wo(sinks[i]["o"][:, past])
-        out_w = mixer.wo(window[i]["o"][:, past])
-        moved_out = ((out_w - out_s).norm(dim=-1) / scale).mean().item()
-        keep = {j: torch.ones(model.blocks[j].mixer.cfg.n_heads, dtype=torch.bool) for j in layers}
-        keep[i] = torch.zeros(mixer.cfg.n_heads, dtype=torch.bool)
-        only = perplexity(evals.streaming_logits(model, x, budget, n_sinks, keep), y)
-        rows.append((i, massive[i], moved_in, moved_out, only))
-    h = sinks["final"]["h"][:, past]
-    moved_final = ((window["final"]["h"][:, past] - h).norm(dim=-1) / h.norm(dim=-1)).mean().item()
-    shares = {i: r["key0_heads"] for i, r in evals.layer_attention_shares(model, cfg, layers).items()}
-    park = max(layers, key=lambda i: sum(shares[i]))
-    mixer = model.blocks[park].mixer
-    h = sinks[park]["h"][:, past].norm(dim=-1)[..., None]                   # [B, L', 1]
-    c_s = head_outputs(mixer, sinks[park]["o"][:, past])
-    c_w = head_outputs(mixer, window[park]["o"][:, past])
-    size = (c_s.norm(dim=-1) / h).mean((0, 1))                              # [Hq]
-    change = ((c_w - c_s).norm(dim=-1) / h).mean((0, 1))
-    ratio, value = value_sizes(model, cfg, park, n_seqs)
-    heads = sorted(range(mixer.cfg.n_heads), key=lambda k: -shares[park][k])[:top]
-    return {"step": step, "ppl_sinks": perplexity(logits_s, y), "ppl_window": perplexity(logits_w, y),
-            "ppl_zero": ppl_zero,
-            "layers": rows, "moved_final": moved_final, "park": park, "shares": shares[park], "size": size.tolist(),
-            "change": change.tolist(), "ratio": ratio.tolist(), "value": value.tolist(), "heads": heads}
+    inputs = block_inputs(model, evals._text_batch(cfg, n_seqs, cfg.train.seq_len, offset=4242)[0])
+    r = parking_heads(model, cfg, budget, sinks, window, inputs)
+    r["heads"] = sorted(range(len(r["shares"])), key=lambda k: -r["shares"][k])[:top]
+    return r | {"step": step, "ppl_sinks": perplexity(logits_s, y), "ppl_window": perplexity(logits_w, y),
+                "ppl_zero": perplexity(evals.streaming_logits(model, x, budget, n_sinks, sink_values=False), y),
+                "layers": layer_rows(model, x, y, budget, n_sinks, sinks, window, inputs),
+                "moved_final": moved(window["final"]["h"][:, budget:], sinks["final"]["h"][:, budget:])}
 
 
 def table(folder, r, budget, n_sinks):
