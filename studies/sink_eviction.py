@@ -15,7 +15,8 @@ how large the head's output is (|W_o^h o_h| with the first tokens kept, relative
 the window changes it, the value it reads from position 0 against the other positions (|W_o^h v_0| /
 mean_j |W_o^h v_j|, on sequences of the training length; a drained sink is near 0) and how large the other
 positions' values are (mean_j |W_o^h v_j| over the residual's norm): a parked head with small values
-writes little wherever its attention goes.
+writes little wherever its attention goes. --over_training: the parked heads and their value sizes at
+every checkpoint.
 
     python studies/sink_eviction.py runs/streaming_long/global_bos_lr1e-2_h32_4k \
         runs/streaming_long/global_bos_lr3e-3_h32_4k --budget 16 --factor 4 --n_seqs 8
@@ -151,6 +152,30 @@ def study(folder, budget, n_sinks, factor, n_seqs, top):
                 "moved_final": moved(window["final"]["h"][:, budget:], sinks["final"]["h"][:, budget:])}
 
 
+@torch.no_grad()
+def over_training(folder, n_seqs, threshold=0.3):
+    """Markdown rows, one per checkpoint: the parking layer's heads above `threshold` on position 0 (at the
+    last checkpoint's parking layer), their mean value size and position-0 ratio (value_sizes), and the
+    value size over all the layer's heads."""
+    steps = checkpoints(folder)
+    lines = [f"{folder}: the parking layer over training (values over the norm of the residual entering it)", "",
+             "| step | layer | heads > 0.3 | value of the others, those heads / all heads | position 0 / others, those heads |",
+             "|---|---|---|---|---|"]
+    park = None
+    for step, path in reversed(steps):
+        model, cfg = load_model(path)
+        model.eval()
+        layers = evals.global_layers(model)
+        shares = {i: torch.tensor(r["key0_heads"]) for i, r in evals.layer_attention_shares(model, cfg, layers).items()}
+        park = max(layers, key=lambda i: shares[i].sum()) if park is None else park
+        inputs = block_inputs(model, evals._text_batch(cfg, n_seqs, cfg.train.seq_len, offset=4242)[0])
+        ratio, value = value_sizes(model.blocks[park], inputs[park])
+        parked = shares[park] > threshold
+        some = lambda t: f"{t[parked].mean():.3f}" if parked.any() else "-"  # noqa: E731
+        lines.insert(4, f"| {step} | {park} | {int(parked.sum())} | {some(value)} / {value.mean():.3f} | {some(ratio)} |")
+    return "\n".join(lines) + "\n"
+
+
 def table(folder, r, budget, n_sinks):
     lines = [f"{folder} (step {r['step']}), budget {budget}: perplexity {r['ppl_sinks']:.2f} with the "
              f"{n_sinks} first tokens in every layer, {r['ppl_window']:.2f} with the window alone in every layer, "
@@ -182,12 +207,16 @@ def main(argv=None):
     p.add_argument("--factor", type=float, default=4, help="stream length in training lengths")
     p.add_argument("--n_seqs", type=int, default=8)
     p.add_argument("--top", type=int, default=8, help="heads listed for the layer that parks most")
+    p.add_argument("--over_training", action="store_true",
+                   help="also the parking layer's value sizes at every checkpoint")
     args = p.parse_args(argv)
     try:
         evals.check_options("streaming", {"budget": args.budget, "n_sinks": args.n_sinks, "factor": args.factor})
         for folder in args.runs:
             print(table(folder, study(folder, args.budget, args.n_sinks, args.factor, args.n_seqs, args.top),
                         args.budget, args.n_sinks), flush=True)
+            if args.over_training:
+                print(over_training(folder, args.n_seqs), flush=True)
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

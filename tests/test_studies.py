@@ -286,8 +286,12 @@ def test_sink_eviction_splits_the_cost_by_layer_and_head(tmp_path, capsys):
         assert len(r["layers"]) == n_layer and len(r["heads"]) == 2 and len(r["ratio"]) == len(r["value"]) == 4
         if n_layer == 1:
             assert math.isclose(r["layers"][0][4], r["ppl_window"], rel_tol=1e-5)
-    assert sink_eviction.main([str(run), "--budget", "6", "--n_sinks", "2", "--factor", "2", "--n_seqs", "2"]) == 0
+    save_checkpoint(str(run / "ckpt_5.pt"), {"model": model.state_dict(), "config": cfg.raw, "step": 5})
+    assert sink_eviction.main([str(run), "--budget", "6", "--n_sinks", "2", "--factor", "2", "--n_seqs", "2",
+                               "--over_training"]) == 0
     out = capsys.readouterr().out
+    steps = [line.split(" | ")[0] for line in out.splitlines() if re.match(r"\| \d+ \| \d+ \| \d+ \| ", line)]
+    assert steps == ["| 3", "| 5"]                                 # one row per checkpoint, in order
     assert "| layer | residual norm entering it, position 0 / others | residual entering it moved by |" in out and "| 1 | " in out
     assert sink_eviction.main([str(tmp_path / "none")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
