@@ -22,6 +22,7 @@ every checkpoint.
         runs/streaming_long/global_bos_lr3e-3_h32_4k --budget 16 --factor 4 --n_seqs 8
 """
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -37,36 +38,35 @@ from sample import load_model  # noqa: E402
 from studies.attention_sinks import checkpoints  # noqa: E402
 
 
-def decode(model, x, budget, n_sinks):
-    """evals.streaming_logits with hooks -> (logits, {layer: {"h": residual entering the layer,
-    "o": every head's attention output before W_o}, "final": {"h": the residual entering the last norm}}),
-    tensors [B, L, ...]."""
-    layers = evals.global_layers(model)
-    rec = {i: {"h": [], "o": []} for i in layers} | {"final": {"h": []}}
-    hooks = [model.norm_f.register_forward_hook(lambda m, a, out: rec["final"]["h"].append(a[0]))]
-    for i in layers:
-        block = model.blocks[i]
-        hooks.append(block.norm1.register_forward_hook(lambda m, a, out, i=i: rec[i]["h"].append(a[0])))
-        hooks.append(block.mixer.wo.register_forward_hook(lambda m, a, out, i=i: rec[i]["o"].append(a[0])))
+@contextlib.contextmanager
+def inputs_of(modules):
+    """Within the block: {key: [the first argument of each call]} of the modules {key: module}."""
+    seen = {key: [] for key in modules}
+    hooks = [m.register_forward_hook(lambda mod, a, out, key=key: seen[key].append(a[0])) for key, m in modules.items()]
     try:
-        logits = evals.streaming_logits(model, x, budget, n_sinks)
+        yield seen
     finally:
         for h in hooks:
             h.remove()
-    return logits, {i: {k: torch.cat(v, 1) for k, v in r.items()} for i, r in rec.items()}
+
+
+def decode(model, x, budget, n_sinks):
+    """evals.streaming_logits, recording -> (logits, {("h", layer): the residual entering the layer,
+    ("o", layer): every head's attention output before W_o, ("h", "final"): the residual entering the last
+    norm}), tensors [B, L, ...]."""
+    layers = evals.global_layers(model)
+    modules = ({("h", i): model.blocks[i].norm1 for i in layers} | {("o", i): model.blocks[i].mixer.wo for i in layers}
+               | {("h", "final"): model.norm_f})
+    with inputs_of(modules) as seen:
+        logits = evals.streaming_logits(model, x, budget, n_sinks)
+    return logits, {key: torch.cat(steps, 1) for key, steps in seen.items()}
 
 
 def block_inputs(model, x):
     """{layer: the residual entering it [B, T, d_model]} in a forward over x."""
-    seen = {}                            # (a forward hook must return None, or it replaces the output)
-    hooks = [b.norm1.register_forward_hook(lambda m, a, out, i=i: seen.update({i: a[0]}))
-             for i, b in enumerate(model.blocks)]
-    try:
+    with inputs_of({i: b.norm1 for i, b in enumerate(model.blocks)}) as seen:
         model(x)
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen
+    return {i: calls[0] for i, calls in seen.items()}
 
 
 def perplexity(logits, y):
@@ -105,9 +105,9 @@ def layer_rows(model, x, y, budget, n_sinks, sinks, window, inputs):
     rows = []
     for i in layers:
         norms = inputs[i].norm(dim=-1)
-        h_s, h_w = sinks[i]["h"][:, past], window[i]["h"][:, past]
+        h_s, h_w = sinks["h", i][:, past], window["h", i][:, past]
         wo = model.blocks[i].mixer.wo
-        moved_out = ((wo(window[i]["o"][:, past]) - wo(sinks[i]["o"][:, past])).norm(dim=-1) / h_s.norm(dim=-1))
+        moved_out = ((wo(window["o", i][:, past]) - wo(sinks["o", i][:, past])).norm(dim=-1) / h_s.norm(dim=-1))
         keep = {j: torch.ones(model.blocks[j].mixer.cfg.n_heads, dtype=torch.bool) for j in layers if j != i}
         rows.append((i, (norms[:, 0].mean() / norms[:, 1:].mean()).item(), moved(h_w, h_s), moved_out.mean().item(),
                      perplexity(evals.streaming_logits(model, x, budget, n_sinks, keep), y)))
@@ -122,9 +122,9 @@ def parking_heads(model, cfg, budget, sinks, window, inputs):
     shares = {i: r["key0_heads"] for i, r in evals.layer_attention_shares(model, cfg, layers).items()}
     park = max(layers, key=lambda i: sum(shares[i]))
     mixer = model.blocks[park].mixer
-    h = sinks[park]["h"][:, past].norm(dim=-1)[..., None]                   # [B, L', 1]
-    c_s = head_outputs(mixer, sinks[park]["o"][:, past])
-    c_w = head_outputs(mixer, window[park]["o"][:, past])
+    h = sinks["h", park][:, past].norm(dim=-1)[..., None]                   # [B, L', 1]
+    c_s = head_outputs(mixer, sinks["o", park][:, past])
+    c_w = head_outputs(mixer, window["o", park][:, past])
     ratio, value = value_sizes(model.blocks[park], inputs[park])
     return {"park": park, "shares": shares[park], "size": (c_s.norm(dim=-1) / h).mean((0, 1)).tolist(),
             "change": ((c_w - c_s).norm(dim=-1) / h).mean((0, 1)).tolist(), "ratio": ratio.tolist(),
@@ -149,30 +149,24 @@ def study(folder, budget, n_sinks, factor, n_seqs, top):
     return r | {"step": step, "ppl_sinks": perplexity(logits_s, y), "ppl_window": perplexity(logits_w, y),
                 "ppl_zero": perplexity(evals.streaming_logits(model, x, budget, n_sinks, sink_values=False), y),
                 "layers": layer_rows(model, x, y, budget, n_sinks, sinks, window, inputs),
-                "moved_final": moved(window["final"]["h"][:, budget:], sinks["final"]["h"][:, budget:])}
+                "moved_final": moved(window["h", "final"][:, budget:], sinks["h", "final"][:, budget:])}
 
 
 @torch.no_grad()
-def over_training(folder, n_seqs, threshold=0.3):
-    """Markdown rows, one per checkpoint: the parking layer's heads above `threshold` on position 0 (at the
-    last checkpoint's parking layer), their mean value size and position-0 ratio (value_sizes), and the
-    value size over all the layer's heads."""
-    steps = checkpoints(folder)
+def over_training(folder, park, n_seqs):
+    """Markdown rows, one per checkpoint: layer `park`'s heads above 0.3 on position 0, their mean value
+    size and position-0 ratio (value_sizes), and the value size over all the layer's heads."""
     lines = [f"{folder}: the parking layer over training (values over the norm of the residual entering it)", "",
              "| step | layer | heads > 0.3 | value of the others, those heads / all heads | position 0 / others, those heads |",
              "|---|---|---|---|---|"]
-    park = None
-    for step, path in reversed(steps):
+    for step, path in checkpoints(folder):
         model, cfg = load_model(path)
         model.eval()
-        layers = evals.global_layers(model)
-        shares = {i: torch.tensor(r["key0_heads"]) for i, r in evals.layer_attention_shares(model, cfg, layers).items()}
-        park = max(layers, key=lambda i: shares[i].sum()) if park is None else park
+        parked = torch.tensor(evals.layer_attention_shares(model, cfg, [park])[park]["key0_heads"]) > 0.3
         inputs = block_inputs(model, evals._text_batch(cfg, n_seqs, cfg.train.seq_len, offset=4242)[0])
         ratio, value = value_sizes(model.blocks[park], inputs[park])
-        parked = shares[park] > threshold
         some = lambda t: f"{t[parked].mean():.3f}" if parked.any() else "-"  # noqa: E731
-        lines.insert(4, f"| {step} | {park} | {int(parked.sum())} | {some(value)} / {value.mean():.3f} | {some(ratio)} |")
+        lines.append(f"| {step} | {park} | {int(parked.sum())} | {some(value)} / {value.mean():.3f} | {some(ratio)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -213,10 +207,10 @@ def main(argv=None):
     try:
         evals.check_options("streaming", {"budget": args.budget, "n_sinks": args.n_sinks, "factor": args.factor})
         for folder in args.runs:
-            print(table(folder, study(folder, args.budget, args.n_sinks, args.factor, args.n_seqs, args.top),
-                        args.budget, args.n_sinks), flush=True)
+            r = study(folder, args.budget, args.n_sinks, args.factor, args.n_seqs, args.top)
+            print(table(folder, r, args.budget, args.n_sinks), flush=True)
             if args.over_training:
-                print(over_training(folder, args.n_seqs), flush=True)
+                print(over_training(folder, r["park"], args.n_seqs), flush=True)
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
