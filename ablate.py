@@ -23,6 +23,7 @@ A sweep file (YAML):
       swa32: {model.layers.attn.window: 32}
       kda: ["--model.pattern=[kda]", --model.layers.kda.n_heads=2]
       kda_long: {after: kda, train.seq_len: 512}   # a curriculum stage: starts from kda's weights
+      kda_lr3e3: {lr_of: kda, train.lr: 3.0e-3}   # an lr point of kda: kda's overrides at another lr
     evals:                               # eval name -> options (see evals.py); {} = defaults
       mqar: {n_batches: 8}
       needle: {factors: [1, 2, 4]}
@@ -34,6 +35,9 @@ with result.json, written atomically. A variant with `after: <an earlier variant
 stage: each of its runs starts from the weights of that variant's run with the same seed (and lr), as
 a fresh run (train.init_from: step 0, new optimizer and schedule), and waits for that run to finish;
 a stage whose earlier run has no result (not run, stopped, diverged) is reported and not started.
+A variant with `lr_of: <an earlier variant>` (and only train.lr) is that variant at another lr, for an lr
+grid over some variants only: it runs as a variant of its own (its own folder and --only name), and the
+report shows it in its variant's row, at the best of their lrs.
 A run whose loss diverges (train.max_bad_steps) is recorded as diverged and loses the lr selection.
 `--jobs N` trains N runs at once in separate processes (each with `threads` torch threads) and prints
 a progress line as each run ends. SIGTERM / SIGUSR1 /
@@ -42,8 +46,10 @@ starts, exit 0. A rerun skips runs with a result.json and resumes half-finished 
 checkpoint (train.py's resume), so an interrupted sweep continues where it stopped. A run being
 trained by another process (`--only` subsets that overlap, or parallel jobs) is skipped. The report
 is <out_dir>/results.md (one row per variant at its best lr: seeds averaged, the selection metric as
-mean ± sample std; with lrs, a second table gives every lr) and PNG plots of the best-lr runs: loss curves, MQAR accuracy
-by recall distance, cache bytes vs context (log-log), loss by position.
+mean ± sample std; with lrs or lr_of, a second table gives every lr) and PNG plots of the best-lr runs: loss
+curves, MQAR accuracy by recall distance, cache bytes vs context (log-log), loss by position. The best lr is
+the one with the best mean over the seeds that every lr of the variant finished (over all its seeds when no
+seed is common to them), so a second seed at one lr does not decide against a single seed at another.
 """
 import argparse
 import concurrent.futures
@@ -120,12 +126,14 @@ def load_sweep(path):
     variants = raw["variants"]
     if not isinstance(variants, dict) or not variants:
         raise SweepError(f"{path}: variants: must be a non-empty mapping of name -> list of overrides")
-    sweep["after"] = {}
+    sweep["after"], sweep["lr_of"] = {}, {}
     for name, ovs in variants.items():
         name = str(name)
         if isinstance(ovs, dict) and "after" in ovs:
             ovs = dict(ovs)
             sweep["after"][name] = _earlier_variant(path, name, ovs.pop("after"), sweep["variants"])
+        if isinstance(ovs, dict) and "lr_of" in ovs:
+            ovs = _lr_point(path, name, ovs, sweep)
         sweep["variants"][name] = _variant_overrides(path, name, ovs)
         try:
             cfg = config_for(sweep, name, seeds[0], sweep["lrs"][0])
@@ -218,12 +226,33 @@ def _variant_overrides(path, name, ovs):
     return [_norm_override(o, f"{path}: variants.{name}") for o in ovs]
 
 
-def _earlier_variant(path, name, after, earlier):
-    """A curriculum stage's `after`: the name of a variant listed before it."""
+def _earlier_variant(path, name, after, earlier, key="after"):
+    """A curriculum stage's `after` (or an lr point's `lr_of`): the name of a variant listed before it."""
     if not isinstance(after, str) or after not in earlier:
-        raise SweepError(f"{path}: variants.{name}.after: must name a variant listed above it "
+        raise SweepError(f"{path}: variants.{name}.{key}: must name a variant listed above it "
                          f"({', '.join(earlier) or 'none'}; got {after!r})")
     return after
+
+
+def _lr_point(path, name, ovs, sweep):
+    """An lr point (`lr_of: kda, train.lr: 3e-3`): the overrides of the variant it names, at its own lr."""
+    where = f"{path}: variants.{name}"
+    of = _earlier_variant(path, name, ovs["lr_of"], sweep["variants"], "lr_of")
+    rest = {k: v for k, v in ovs.items() if k != "lr_of"}
+    if set(rest) != {"train.lr"} or not (_float(rest["train.lr"]) or 0) > 0:
+        raise SweepError(f"{where}: an lr point (lr_of) sets train.lr to a positive number and nothing else "
+                         f"(got {rest!r})")
+    if sweep["lrs"] != [None] or of in sweep["lr_of"] or of in sweep["after"] or name in sweep["after"]:
+        raise SweepError(f"{where}.lr_of: an lr point names a plain variant (not a stage or another lr point) "
+                         f"in a sweep without lrs: (got {of!r})")
+    lr = _float(rest["train.lr"])
+    points = [of] + [p for p, o in sweep["lr_of"].items() if o == of]
+    taken = [config_for(sweep, v, sweep["seeds"][0]).train.lr for v in points]
+    if _lr_tag(lr) in map(_lr_tag, taken):
+        raise SweepError(f"{where}: train.lr {lr:g} is already one of {of}'s lrs "
+                         f"({', '.join(f'{x:g}' for x in taken)})")
+    sweep["lr_of"][name] = of
+    return [o for o in sweep["variants"][of] if not o.startswith("--train.lr=")] + [f"--train.lr={lr!r}"]
 
 
 def _float(x):
@@ -530,26 +559,38 @@ def by_lr(results):
 
 
 def best_lr(sweep, rs, metric):
-    """The lr whose seeds have the best mean `metric` (diverged runs count as the worst); ties go to
-    the lr whose runs ended first (early stopping), then the smaller lr. -> (lr, its results)."""
+    """The lr whose runs have the best mean `metric` over the seeds that every lr finished (over all
+    of each lr's seeds when none is common; diverged runs count as the worst); ties go to the lr whose
+    runs ended first (early stopping), then the smaller lr. -> (lr, all its results)."""
     name, higher = metric
+    groups = by_lr(rs)
+    common = set.intersection(*({r["seed"] for r in g} for g in groups.values()))
 
     def score(group):
+        group = [r for r in group if r["seed"] in common] or group
         vals = [r["final"].get(name) for r in group]
         if any(v is None for v in vals):  # diverged or never evaluated
             return (-math.inf, 0)
         m = mean(vals)
         return (m if higher else -m, -mean([r["final"].get("step", 0) for r in group]))
-    groups = by_lr(rs)
     lr = max(groups, key=lambda k: (score(groups[k]), -(k or 0)))
     return lr, groups[lr]
 
 
+def with_lr_points(sweep, results):
+    """collect()'s {variant: results} with each lr point's runs moved into its variant's (lr_of)."""
+    out = {}
+    for v, rs in results.items():
+        out.setdefault(sweep["lr_of"].get(v, v), []).extend(rs)
+    return out
+
+
 def best_runs(sweep, only=None, results=None):
     """({variant: (best lr, the runs at that lr)}, selection metric) over the finished runs of the variants
-    in `only` (all if None; `results`: collect()'s, possibly rescored, instead of reading them again); a
-    one-line DataError when there are none."""
+    in `only` (all if None; an lr point counts in its variant's row when it is in `only` too; `results`:
+    collect()'s, possibly rescored, instead of reading them again); a one-line DataError when there are none."""
     results = {v: rs for v, rs in (collect(sweep) if results is None else results).items() if not only or v in only}
+    results = with_lr_points(sweep, results)
     if not results:
         raise DataError(f"{sweep['out_dir']}: no finished run (result.json) yet")
     metric = select_metric(sweep, results)
@@ -694,18 +735,30 @@ def _per_variant(cfgs, field, fmt):
     return fmt.format(common) + (f" ({others})" if others else "")
 
 
+def _lr_points(sweep):
+    """The lr_of variants' lrs, e.g. "kda at 0.0003, 0.001, 0.003 (kda_lr3e4, kda, kda_lr3e3)"."""
+    out = []
+    for v in dict.fromkeys(sweep["lr_of"].values()):
+        names = sorted([v] + [p for p, of in sweep["lr_of"].items() if of == v],
+                       key=lambda n: config_for(sweep, n, sweep["seeds"][0]).train.lr)
+        lrs = [_lr_tag(config_for(sweep, n, sweep["seeds"][0]).train.lr) for n in names]
+        out.append(f"{v} at {', '.join(lrs)} ({', '.join(names)})")
+    return "; ".join(out)
+
+
 def write_report(sweep):
-    every = collect(sweep)
+    every = with_lr_points(sweep, collect(sweep))
     if not every:
         return None
     metric = select_metric(sweep, every)
-    grid = sweep["lrs"] != [None]
+    grid = sweep["lrs"] != [None] or bool(sweep["lr_of"])
     results = {v: best_lr(sweep, rs, metric)[1] for v, rs in every.items()} if grid else every
     plots = make_plots(sweep, {v: rs for v, rs in results.items() if not rs[0].get("diverged")})
     cfgs = {v: config_for(sweep, v, rs[0]["seed"]).train for v, rs in results.items()}
     tc = next(iter(cfgs.values()))
-    lrs = (f"lr grid {[float(_lr_tag(x)) for x in sweep['lrs']]}, each variant at its best lr by mean "
-           f"final {metric[0]}" if grid else f"lr {_per_variant(cfgs, 'lr', '{:g}')}")
+    best = f", each variant at its best lr by mean final {metric[0]} over the seeds all its lrs finished"
+    lrs = (f"lr grid {[float(_lr_tag(x)) for x in sweep['lrs']]}{best}" if sweep["lrs"] != [None] else
+           f"lr {_per_variant(cfgs, 'lr', '{:g}')}" + (f"; lr points: {_lr_points(sweep)}{best}" if grid else ""))
     stop = f"; early stop at {tc.stop_at}" if tc.stop_at else ""
     lines = [f"# Sweep {os.path.basename(sweep['path'])}", "", sweep["description"].strip(), "",
              f"Base `{os.path.relpath(sweep['base'], ROOT)}`; seeds {sweep['seeds']}; "
@@ -720,7 +773,8 @@ def write_report(sweep):
     for v, ovs in sweep["variants"].items():
         after = sweep["after"].get(v)
         lines.append(f"- `{v}`: {' '.join(f'`{o}`' for o in ovs) or 'the base config'}" +
-                     (f"; starts from `{after}`'s weights (same seed)" if after else ""))
+                     (f"; starts from `{after}`'s weights (same seed)" if after else "") +
+                     (f"; an lr point of `{sweep['lr_of'][v]}` (in its row)" if v in sweep["lr_of"] else ""))
     lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
     path = os.path.join(sweep["out_dir"], "results.md")
     atomic_write(path, lambda f: f.write("\n".join(lines)), mode="w")

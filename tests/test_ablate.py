@@ -174,7 +174,8 @@ def test_best_lr_is_the_best_mean_over_seeds():
         return {"variant": "v", "seed": seed, "lr": lr, "final": {} if diverged else {"val_acc": acc, "step": step},
                 **({"diverged": "nan"} if diverged else {})}
     metric = ("val_acc", True)
-    rs = [res(1e-3, 0.9), res(1e-3, 0.5, seed=1), res(1e-2, 0.7), res(1e-2, 0.71, seed=1), res(1e-1, 0, diverged=True)]
+    rs = [res(1e-3, 0.9), res(1e-3, 0.5, seed=1), res(1e-2, 0.7), res(1e-2, 0.71, seed=1), res(1e-1, 0, diverged=True),
+          res(1e-1, 0, seed=1, diverged=True)]
     assert ablate.best_lr({}, rs, metric)[0] == 1e-2            # mean 0.705 beats 0.7
     rs += [res(3e-3, 1.0, step=500), res(3e-3, 1.0, step=500, seed=1), res(1e-4, 1.0, step=250),
            res(1e-4, 1.0, step=250, seed=1)]
@@ -182,6 +183,13 @@ def test_best_lr_is_the_best_mean_over_seeds():
     assert lr == 1e-4 and len(group) == 2                       # a tie at 1.0 goes to the faster one
     assert ablate.best_lr({}, [res(1e-3, 0.2), res(1e-2, 0, diverged=True)], ("val_loss", False))[0] == 1e-3
     assert ablate.mean_pm([1.0, 0.5]) == "0.75 ± 0.35" and ablate.mean_pm([None]) == "–"
+    # lrs that finished different seeds compare on the seeds they share: seed 0 picks 1e-3 (0.9 > 0.8),
+    # though 1e-2's mean over its seeds 0 and 2 (0.825) beats 1e-3's over 0 and 1 (0.7); the pick keeps all its seeds
+    rs = [res(1e-3, 0.9), res(1e-3, 0.5, seed=1), res(1e-2, 0.8), res(1e-2, 0.85, seed=2), res(3e-2, 0.3)]
+    lr, group = ablate.best_lr({}, rs, metric)
+    assert lr == 1e-3 and [r["seed"] for r in group] == [0, 1]
+    # no seed in common: each lr's mean over its own seeds
+    assert ablate.best_lr({}, [res(1e-3, 0.9), res(1e-2, 0.95, seed=1), res(1e-2, 0.99, seed=2)], metric)[0] == 1e-2
 
 
 
@@ -194,6 +202,51 @@ def test_report_header_names_the_variants_that_differ():
     assert ablate._per_variant(cfgs, "max_steps", "{}") == "1500 (swa32: 400)"
     assert ablate._per_variant(cfgs, "lr", "{:g}") == "0.001 (hybrid: 0.003)"
     assert ablate._per_variant({"a": NS(lr=1e-3)}, "lr", "{:g}") == "0.001"
+
+
+LR_POINTS = GRID.replace("lrs: [1.0e-3, 3e-3]\n", "").replace(
+    "  attn: {}\n", "  attn: {}\n  attn_lr3e3: {lr_of: attn, train.lr: 3.0e-3}\n  other: {train.max_steps: 6}\n")
+
+
+@pytest.mark.parametrize("body,message", [
+    (LR_POINTS.replace("lr_of: attn,", "lr_of: other,"), "variants.attn_lr3e3.lr_of: must name a variant listed above it"),
+    (LR_POINTS.replace("train.lr: 3.0e-3}", "train.lr: 3.0e-3, train.max_steps: 6}"),
+     "variants.attn_lr3e3: an lr point (lr_of) sets train.lr to a positive number and nothing else"),
+    (LR_POINTS.replace("train.lr: 3.0e-3}", "train.lr: fast}"), "sets train.lr to a positive number"),
+    (LR_POINTS.replace("train.lr: 3.0e-3}", "train.lr: 1.0e-3}"), "train.lr 0.001 is already one of attn's lrs (0.001)"),
+    (LR_POINTS.replace("seeds: [0, 1]", "seeds: [0, 1]\nlrs: [1.0e-3, 3e-3]"), "variants.attn_lr3e3.lr_of: an lr point names"),
+    (LR_POINTS.replace("evals:", "  again: {lr_of: attn_lr3e3, train.lr: 1.0e-2}\nevals:"), "variants.again.lr_of: an lr point names a plain"),
+    (LR_POINTS.replace("  attn: {}\n", "  attn: {}\n  long: {after: attn, train.seq_len: 48}\n").replace(
+        "lr_of: attn,", "lr_of: long,"), "variants.attn_lr3e3.lr_of: an lr point names a plain variant"),
+])
+def test_bad_lr_points_are_one_line_errors(tmp_path, capsys, body, message):
+    assert ablate.main([write_sweep(tmp_path, body), "--dry_run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_lr_points_run_as_variants_and_report_in_their_variants_row(tmp_path, capsys):
+    path = write_sweep(tmp_path, LR_POINTS)
+    assert ablate.main([path, "--dry_run", "--seeds", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [os.path.basename(line.split()[0]) for line in lines] == ["attn-s0", "attn_lr3e3-s0", "other-s0"]
+    sweep = ablate.load_sweep(path)
+    assert ablate.config_for(sweep, "attn_lr3e3", 0).train.lr == 3e-3 and ablate.config_for(sweep, "attn", 0).train.lr == 1e-3
+    ablate.run_sweep(sweep, log=lambda m: None, only=["attn", "attn_lr3e3"])   # 4 runs of 6 steps (stop_at)
+    ablate.run_sweep(sweep, log=lambda m: None, only=["other"], seeds=[0])
+    rows = {v: [r["lr"] for r in rs] for v, rs in ablate.collect(sweep).items()}
+    assert rows == {"attn": [1e-3, 1e-3], "attn_lr3e3": [3e-3, 3e-3], "other": [1e-3]}
+    best, metric = ablate.best_runs(sweep)
+    assert set(best) == {"attn", "other"} and metric == ("val_acc", True)
+    accs = {lr: ablate.mean([r["final"]["val_acc"] for r in rs]) for lr, rs in ablate.by_lr(
+        ablate.collect(sweep)["attn"] + ablate.collect(sweep)["attn_lr3e3"]).items()}
+    assert best["attn"][0] == max(sorted(accs), key=accs.get) and len(best["attn"][1]) == 2   # ties: smaller lr
+    assert ablate.best_runs(sweep, only=["attn"])[0]["attn"][0] == 1e-3     # without its lr point: one lr
+    text = open(ablate.write_report(sweep)).read()
+    assert "lr points: attn at 0.001, 0.003 (attn, attn_lr3e3)" in text and "| attn_lr3e3 |" not in text
+    assert "| variant | lr 0.001 | lr 0.003 |" in text and "| other | 0.001 | 1 (n=1)" not in text
+    assert re.search(r"\| attn \| 2 \| 0\.00[13] \|", text) and "| other | 1 | 0.001 |" in text
+    assert "- `attn_lr3e3`: `--train.lr=0.003`; an lr point of `attn` (in its row)" in text
 
 
 def test_dry_run_lists_only_the_chosen_seeds(tmp_path, capsys):
