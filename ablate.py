@@ -739,10 +739,10 @@ def _lr_points(sweep):
     """The lr_of variants' lrs, e.g. "kda at 0.0003, 0.001, 0.003 (kda_lr3e4, kda, kda_lr3e3)"."""
     out = []
     for v in dict.fromkeys(sweep["lr_of"].values()):
-        names = sorted([v] + [p for p, of in sweep["lr_of"].items() if of == v],
-                       key=lambda n: config_for(sweep, n, sweep["seeds"][0]).train.lr)
-        lrs = [_lr_tag(config_for(sweep, n, sweep["seeds"][0]).train.lr) for n in names]
-        out.append(f"{v} at {', '.join(lrs)} ({', '.join(names)})")
+        points = [v] + [p for p, of in sweep["lr_of"].items() if of == v]
+        lr = {n: config_for(sweep, n, sweep["seeds"][0]).train.lr for n in points}
+        names = sorted(lr, key=lr.get)
+        out.append(f"{v} at {', '.join(_lr_tag(lr[n]) for n in names)} ({', '.join(names)})")
     return "; ".join(out)
 
 
