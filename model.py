@@ -1100,49 +1100,71 @@ class MLA(nn.Module):
         if cp is not None:  # [B/2, T_total, d_c + d_rope]: the small latent rows cross over, not K/V
             latent = cp.gather(latent)
             ik = cp.gather(ik) if self.indexer is not None else None
-        S = latent.shape[1]                                                 # keys visible: 0 .. S-1
         sparse = self.indexer is not None and c.dsa.stage == "sparse"
         absorb = (T == 1) if self.absorb is None else self.absorb
-        kl = None
         if paged or sparse or (cache is not None and absorb):
-            w_uk, w_uv = self._w_uk_uv()
-            q_abs = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)               # q~_h = q_nope_h W_UK_h^T [B,T,H,d_c]
-            q_lat = torch.cat([q_abs, q_rope], dim=-1)                         # [B, T, H, d_c + d_rope]
-            if paged:
-                o_lat = cache.attend_latent(self, q_lat, latent, *((iq, iw, ik) if sparse else (None,) * 3))
-            elif sparse and cp is None:
-                o_lat, kl = self._sparse_attention(q_lat, latent, iq, iw, ik, S - T, want_loss, cu_seqlens)
-            elif sparse:  # piece by piece: the piece's queries from its start, the keys up to its end
-                parts = [self._sparse_attention(q_lat[rows], latent[:, :end], iq[rows], iw[rows], ik[:, :end],
-                                                start, want_loss) for rows, start, end in cp.piece_ranges(q_lat)]
-                o_lat = torch.cat([o for o, _ in parts])
-                kl = sum(part_kl for _, part_kl in parts) if want_loss else None
-            else:  # MQA with one kv head: keys [c_kv, k_rope], values c_kv. The head is broadcast to
-                # all H heads as a stride-0 view (no copy): with Hq == Hkv PyTorch's SDPA takes its
-                # fused path, while Hq != Hkv (enable_gqa) falls back to the ~30x slower math path on CPU.
-                rows = latent[:, :, None].expand(B, S, H, d_c + d_rope)
-                o_lat = kernels.attention(q_lat, rows, rows[..., :d_c], scale=self.scale,
-                                          backend=self.backend)               # [B, T, H, d_c]
-            o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)                    # [B, T, H, d_v]
-        else:  # expanded: [k_nope_h, v_h] = c_kv W_ukv for every visible key
-            Bk = latent.shape[0]
-            kv = self.wkv_b(latent[..., :d_c]).view(Bk, S, H, d_nope + d_v)
-            k_nope, v = kv.split([d_nope, d_v], dim=-1)                        # [B, S, H, d_nope], [B, S, H, d_v]
-            k = torch.cat([k_nope, latent[:, :, None, d_c:].expand(Bk, S, H, d_rope)], dim=-1)
-            q = torch.cat([q_nope, q_rope], dim=-1)                            # [B, T, H, d_nope + d_rope]
-            if cp is not None:
-                o = cp.attention(q, k, v, scale=self.scale, backend=self.backend, gathered=True)
-            else:
-                o = kernels.attention(q, k, v, scale=self.scale, backend=self.backend,
-                                      cu_seqlens=cu_seqlens)                   # [B, T, H, d_v]
-            if want_loss and cp is None:
-                kl = self._dense_indexer_kl(q.detach(), k.detach(), iq, iw, ik, doc_start)
-            elif want_loss:
-                kl = sum(self._dense_indexer_kl(q[rows].detach(), k[:, :end].detach(), iq[rows], iw[rows],
-                                                ik[:, :end], offset=start) for rows, start, end in cp.piece_ranges(q))
+            o, kl = self._attend_absorbed(q_nope, q_rope, latent, cache if paged else None,
+                                          (iq, iw, ik) if sparse else None, want_loss, cu_seqlens, cp)
+        else:
+            o, kl = self._attend_expanded(q_nope, q_rope, latent, (iq, iw, ik) if want_loss else None,
+                                          doc_start, cu_seqlens, cp)
         if want_loss:  # L_I: KL summed over heads' distribution, mean over the B*T query tokens
             self.aux_loss = ("indexer_kl", c.dsa.loss_weight * kl / (B * T))
         return self.wo(o.reshape(B, T, H * d_v))
+
+    def _attend_absorbed(self, q_nope, q_rope, latent, paged_cache, index, want_loss, cu_seqlens, cp):
+        """Attention in the latent space (decode, the paged engine, DSA's sparse stage): the query is
+        absorbed, q~_h = q_nope_h W_UK_h^T, scores the latent rows [c_kv, k_rope] of all S visible keys
+        directly, and o_h = (its attention over c_kv) W_UV_h^T. index: the indexer's (q, weights, keys)
+        in the sparse stage, else None. Returns o [B, T, H, d_v] and the indexer's KL (or None)."""
+        B, T, H, _ = q_nope.shape
+        S, d_c = latent.shape[1], self.cfg.kv_lora_rank
+        w_uk, w_uv = self._w_uk_uv()
+        q_abs = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)                   # [B, T, H, d_c]
+        q_lat = torch.cat([q_abs, q_rope], dim=-1)                             # [B, T, H, d_c + d_rope]
+        kl = None
+        if paged_cache is not None:
+            o_lat = paged_cache.attend_latent(self, q_lat, latent, *(index or (None,) * 3))
+        elif index is not None and cp is None:
+            o_lat, kl = self._sparse_attention(q_lat, latent, *index, S - T, want_loss, cu_seqlens)
+        elif index is not None:  # piece by piece: the piece's queries from its start, the keys up to its end
+            iq, iw, ik = index
+            parts = [self._sparse_attention(q_lat[rows], latent[:, :end], iq[rows], iw[rows], ik[:, :end],
+                                            start, want_loss) for rows, start, end in cp.piece_ranges(q_lat)]
+            o_lat = torch.cat([o for o, _ in parts])
+            kl = sum(part_kl for _, part_kl in parts) if want_loss else None
+        else:  # MQA with one kv head: keys [c_kv, k_rope], values c_kv. The head is broadcast to
+            # all H heads as a stride-0 view (no copy): with Hq == Hkv PyTorch's SDPA takes its
+            # fused path, while Hq != Hkv (enable_gqa) falls back to the ~30x slower math path on CPU.
+            rows = latent[:, :, None].expand(B, S, H, latent.shape[-1])
+            o_lat = kernels.attention(q_lat, rows, rows[..., :d_c], scale=self.scale,
+                                      backend=self.backend)                   # [B, T, H, d_c]
+        return torch.einsum("bthc,hvc->bthv", o_lat, w_uv), kl                 # [B, T, H, d_v]
+
+    def _attend_expanded(self, q_nope, q_rope, latent, index, doc_start, cu_seqlens, cp):
+        """Attention with every visible key expanded (training, prefill): [k_nope_h, v_h] = c_kv W_ukv,
+        k_h = [k_nope_h, k_rope]. index: the indexer's (q, weights, keys) when its KL to this attention
+        is wanted (the dense warm-up), else None. Returns o [B, T, H, d_v] and the KL (or None)."""
+        c = self.cfg
+        H, d_c, d_nope, d_rope, d_v = c.n_heads, c.kv_lora_rank, c.qk_nope_dim, c.rope_dim, c.v_head_dim
+        Bk, S, _ = latent.shape
+        kv = self.wkv_b(latent[..., :d_c]).view(Bk, S, H, d_nope + d_v)
+        k_nope, v = kv.split([d_nope, d_v], dim=-1)                            # [B, S, H, d_nope], [B, S, H, d_v]
+        k = torch.cat([k_nope, latent[:, :, None, d_c:].expand(Bk, S, H, d_rope)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)                                # [B, T, H, d_nope + d_rope]
+        if cp is not None:
+            o = cp.attention(q, k, v, scale=self.scale, backend=self.backend, gathered=True)
+        else:
+            o = kernels.attention(q, k, v, scale=self.scale, backend=self.backend,
+                                  cu_seqlens=cu_seqlens)                       # [B, T, H, d_v]
+        kl = None
+        if index is not None and cp is None:
+            kl = self._dense_indexer_kl(q.detach(), k.detach(), *index, doc_start)
+        elif index is not None:
+            iq, iw, ik = index
+            kl = sum(self._dense_indexer_kl(q[rows].detach(), k[:, :end].detach(), iq[rows], iw[rows],
+                                            ik[:, :end], offset=start) for rows, start, end in cp.piece_ranges(q))
+        return o, kl
 
     def _sparse_attention(self, q_lat, latent, iq, iw, ik, offset, want_loss, cu_seqlens=None):
         """Absorbed attention over each query's top-k latent rows (kernels.index_topk, then
