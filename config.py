@@ -44,7 +44,8 @@ class DataConfig:
     bos: bool = False                   # stdlib/bin: every row starts with the end-of-text token (a BOS at
     #                                     position 0 of every row, train and eval; the attention-sink study)
     mqar_mix: list = field(default_factory=list)  # mqar: train on [[length, n_pairs], ...] (Zoology's
-    #                                     mixture, shorter rows zero-padded); eval stays at seq_len, n_pairs
+    #                                     mixture, shorter rows zero-padded); eval stays at seq_len, n_pairs,
+    #                                     plus val_acc_<length>x<pairs> for each other setting
 
     def check(self, path, model):
         require(self.kind in DATA_KINDS, f"{path}.kind", f"one of {', '.join(DATA_KINDS)}", self.kind)

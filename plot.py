@@ -7,6 +7,7 @@ One implementation for a single run (`python plot.py out/x`) and for sweeps (abl
 import argparse
 import json
 import os
+import re
 import sys
 
 
@@ -29,12 +30,14 @@ def read_metrics(folder):
 
 
 def loss_curves(runs, path):
-    """runs: {label: metrics rows}. Left: training loss; right: val_acc (MQAR) or val_loss, per step.
+    """runs: {label: metrics rows}. Left: training loss; right: val_acc (MQAR) or val_loss, per step (an
+    MQAR mixture's other settings dashed, labelled <length>/<pairs>).
     Writes the PNG at `path`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    mixed = False
     for label, rows in runs.items():
         tr = [r for r in rows if r.get("loss") is not None]
         ev = [r for r in rows if "loss" not in r]
@@ -43,11 +46,20 @@ def loss_curves(runs, path):
         axes[1].plot([r["step"] for r in ev], [r.get(key) for r in ev], marker="o", color=line.get_color(),
                      label=label)
         axes[1].set_ylabel(key)
+        # an MQAR mixture's other settings (val_acc_<length>x<pairs>): the run's colour, one dash per setting
+        settings = sorted((tuple(map(int, m.groups())), k) for k in (ev[0] if ev else {})
+                          if (m := re.fullmatch(r"val_acc_(\d+)x(\d+)", k)))
+        for ((length, pairs), k), dash in zip(settings, [(1, 1), (4, 2), (6, 2, 1, 2), (8, 3)] * 4):
+            axes[1].plot([r["step"] for r in ev], [r.get(k) for r in ev], color=line.get_color(), dashes=dash,
+                         label=f"{label} {length}/{pairs}")
+            mixed = True
     axes[0].set_ylabel("train loss")
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    if mixed:
+        axes[1].legend(fontsize=6)
     return save_png(fig, path)
 
 

@@ -65,13 +65,24 @@ def synthetic_batches(d, vocab, seq_len, train=False):
     return lambda n, seed: fn(n, seq_len, vocab, seed)
 
 
+def mixture_evals(d, vocab, seq_len):
+    """{suffix: make} for the MQAR mixture's settings other than the eval's own (seq_len, n_pairs):
+    each is evaluated at its own length beside val_acc, as val_acc_<length>x<pairs> (which setting
+    the model learns first)."""
+    settings = sorted({tuple(s) for s in d.mqar_mix} - {(seq_len, d.n_pairs)}) if d.kind == "mqar" else []
+    return {f"{length}x{pairs}": (lambda n, seed, L=length, P=pairs: mqar_batch(n, L, P, vocab, seed)[:2])
+            for length, pairs in settings}
+
+
 class SyntheticData:
     """A synthetic task (MQAR, Palindrome, Stack); batch i is generated from seed (seed, i): resumable
-    exactly. Eval: loss and accuracy at the labelled positions."""
+    exactly. Eval: loss and accuracy at the labelled positions; and under an MQAR mixture, the same for
+    each of its other settings (`extra`: {suffix: make} -> val_loss_<suffix>, val_acc_<suffix>)."""
 
-    def __init__(self, make, batch_size, seq_len, seed, rank=0, world=1, make_train=None):
+    def __init__(self, make, batch_size, seq_len, seed, rank=0, world=1, make_train=None, extra=None):
         self.make, self.B, self.T, self.seed = make, batch_size, seq_len, seed
         self.make_train = make_train or make   # training batches (the MQAR mixture), else as eval
+        self.extra = extra or {}
         self.rank, self.world, self.index = rank, world, 0
         make(1, 0), self.make_train(1, 0)  # refuse impossible settings now
 
@@ -89,15 +100,18 @@ class SyntheticData:
 
     @torch.no_grad()
     def evaluate(self, model, n_batches, device):
-        losses, accs = [], []
-        rows = slice(self.rank * self.B, (self.rank + 1) * self.B)
-        for i in range(n_batches):  # a held-out seed stream, sliced by rank like next_batch
-            x, y = self.make(self.world * self.B, [self.seed, 10 ** 9 + i])
-            x, y = x[rows], y[rows]
-            logits, loss = model(x.to(device), y.to(device))
-            losses.append(loss.item())
-            accs.append(mqar_accuracy(logits, y.to(device)))
-        return {"val_loss": sum(losses) / len(losses), "val_acc": sum(accs) / len(accs)}
+        metrics, rows = {}, slice(self.rank * self.B, (self.rank + 1) * self.B)
+        for suffix, make in {"": self.make, **self.extra}.items():
+            losses, accs = [], []
+            for i in range(n_batches):  # a held-out seed stream, sliced by rank like next_batch
+                x, y = make(self.world * self.B, [self.seed, 10 ** 9 + i])
+                x, y = x[rows], y[rows]
+                logits, loss = model(x.to(device), y.to(device))
+                losses.append(loss.item())
+                accs.append(mqar_accuracy(logits, y.to(device)))
+            tail = f"_{suffix}" if suffix else ""
+            metrics[f"val_loss{tail}"], metrics[f"val_acc{tail}"] = sum(losses) / len(losses), sum(accs) / len(accs)
+        return metrics
 
 
 def corpus_codec(cfg):
@@ -137,7 +151,7 @@ def make_dataset(cfg, rank=0, world=1):
     if d.kind in SYNTHETIC_KINDS:
         V = d.mqar_vocab or m.vocab_size
         return SyntheticData(synthetic_batches(d, V, t.seq_len), B, t.seq_len, t.seed, rank, world,
-                             synthetic_batches(d, V, t.seq_len, train=True))
+                             synthetic_batches(d, V, t.seq_len, train=True), mixture_evals(d, V, t.seq_len))
     if d.kind == "stdlib":
         from data.stdlib import prepare_stdlib
         folder = prepare_stdlib(d.dir, quiet=rank != 0)

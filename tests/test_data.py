@@ -168,3 +168,27 @@ def test_mqar_mixture_trains_on_padded_settings_and_evaluates_on_the_target(tmp_
     assert ((y_train >= 0).sum(1) == 4).all() and (y_train[:, 64:] < 0).all()    # the mixture
     _, y_val = data.make(4, [0, 10 ** 9])
     assert ((y_val >= 0).sum(1) == 8).all()                                        # the target
+
+
+def test_mqar_mixture_evaluates_each_of_its_settings_as_a_plain_run_would(tmp_path):
+    """val_acc_<length>x<pairs> under a mixture == val_acc of a run trained at that setting alone (same
+    model, seed and batches); the eval's own setting is not repeated; a plain run reports val_* only."""
+    from model import GPT
+
+    def data_for(seq_len, n_pairs, mix):
+        return make_dataset(from_raw({
+            "model": {"vocab_size": 64, "d_model": 16, "n_layer": 1, "pattern": ["a"],
+                      "layers": {"a": {"kind": "attn", "n_heads": 2}}},
+            "data": {"kind": "mqar", "n_pairs": n_pairs, "mqar_mix": mix},
+            "train": {"batch_size": 4, "seq_len": seq_len, "device": "cpu", "out_dir": str(tmp_path)}}))
+
+    torch.manual_seed(0)
+    cfg = from_raw({"model": {"vocab_size": 64, "d_model": 16, "n_layer": 1, "pattern": ["a"],
+                              "layers": {"a": {"kind": "attn", "n_heads": 2}}}})
+    model = GPT(cfg.model).eval()
+    mixed = data_for(128, 8, [[64, 4], [96, 6], [128, 8], [64, 4]]).evaluate(model, 2, "cpu")
+    assert sorted(mixed) == ["val_acc", "val_acc_64x4", "val_acc_96x6", "val_loss", "val_loss_64x4", "val_loss_96x6"]
+    for suffix, (length, pairs) in {"": (128, 8), "_64x4": (64, 4), "_96x6": (96, 6)}.items():
+        alone = data_for(length, pairs, []).evaluate(model, 2, "cpu")
+        assert sorted(alone) == ["val_acc", "val_loss"]
+        assert mixed[f"val_acc{suffix}"] == alone["val_acc"] and mixed[f"val_loss{suffix}"] == alone["val_loss"]

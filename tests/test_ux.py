@@ -541,3 +541,14 @@ def test_plot_one_run(tmp_path, capsys):
     capsys.readouterr()
     one_error_line(capsys, plot.main([str(tmp_path / "nothing")]), r"nothing: no metrics.jsonl rows")
     assert not (tmp_path / "nothing").exists()
+
+
+def test_plot_draws_an_mqar_mixtures_settings_beside_val_acc(monkeypatch):
+    drawn = {}
+    monkeypatch.setattr(plot, "save_png", lambda fig, path: drawn.update(fig=fig))
+    rows = [{"step": 1, "loss": 3.0}, {"step": 100, "val_loss": 2.7, "val_acc": 0.1, "val_acc_128x8": 0.5,
+                                        "val_acc_64x4": 0.9, "val_loss_64x4": 0.3}]
+    plot.loss_curves({"run": rows}, "unused.png")
+    right = drawn["fig"].axes[1]
+    assert [line.get_label() for line in right.get_lines()] == ["run", "run 64/4", "run 128/8"]
+    assert [line.get_ydata()[0] for line in right.get_lines()] == [0.1, 0.9, 0.5]
