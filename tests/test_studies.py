@@ -295,3 +295,26 @@ def test_sink_eviction_splits_the_cost_by_layer_and_head(tmp_path, capsys):
     assert "| layer | residual norm entering it, position 0 / others | residual entering it moved by |" in out and "| 1 | " in out
     assert sink_eviction.main([str(tmp_path / "none")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_mix_order_finds_the_first_step_each_setting_reaches_each_threshold(tmp_path, capsys):
+    """Planted mixture evals: thresholds as accuracies and as multiples of 1 / pairs, the target column
+    last, a setting that never gets there marked -, a run without one of the settings left blank."""
+    import json
+    from studies import mix_order
+    runs = {"a": [{"step": 20, "val_acc": 0.03, "val_acc_64x4": 0.25, "val_acc_128x8": 0.12},
+                  {"step": 40, "val_acc": 0.07, "val_acc_64x4": 0.6, "val_acc_128x8": 0.3},
+                  {"step": 60, "val_acc": 0.95, "val_acc_64x4": 0.99, "val_acc_128x8": 0.97}],
+            "b": [{"step": 100, "loss": 3.0}, {"step": 100, "val_acc": 0.07, "val_acc_128x8": 0.3}]}
+    for name, rows in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert mix_order.main([str(tmp_path / "a"), str(tmp_path / "b"), "--at", "2x", "0.5", "0.96"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "| run | 64 / 4 | 128 / 8 | 512 / 32 |"
+    assert out[3] == "| a | 40 / 40 / 60 | 40 / 60 / 60 | 40 / 60 / - |"    # 2x at 512/32: 0.0625
+    assert out[4] == "| b |  | 100 / - / - | 100 / - / - |"
+    assert mix_order.main([str(tmp_path / "nothing")]) == 2
+    assert "no eval rows in metrics.jsonl" in capsys.readouterr().err
+    assert mix_order.main([str(tmp_path / "a"), "--target", "512"]) == 2
+    assert "--target: <length>x<pairs>" in capsys.readouterr().err
