@@ -110,7 +110,8 @@ class SyntheticData:
                 losses.append(loss.item())
                 accs.append(mqar_accuracy(logits, y.to(device)))
             tail = f"_{suffix}" if suffix else ""
-            metrics[f"val_loss{tail}"], metrics[f"val_acc{tail}"] = sum(losses) / len(losses), sum(accs) / len(accs)
+            metrics[f"val_loss{tail}"] = sum(losses) / len(losses)
+            metrics[f"val_acc{tail}"] = sum(accs) / len(accs)
         return metrics
 
 

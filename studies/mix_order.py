@@ -1,10 +1,10 @@
 """Which setting of an MQAR mixture leaves the plateau first (issue 16). A run trained on data.mqar_mix logs
 val_acc at its target setting and val_acc_<length>x<pairs> at each other one; for every run folder this prints
 the first eval step at which each setting's accuracy reaches each threshold, as a markdown table. A threshold
-is an accuracy (0.5) or a multiple of the setting's plateau, 1 / pairs (2x: twice the accuracy of answering
-with any value of the context; the plateau is where the recall circuit has not formed yet).
+is an accuracy (0.5) or a multiple of the setting's plateau, 1 / pairs (1.5x: half again the accuracy of
+answering with any value of the context; the plateau is where the recall circuit has not formed yet).
 
-    python studies/mix_order.py runs/mqar_ladder512/attn_h1_v66_mix_e20-s{0,1,2,3,4} --at 2x 0.5 0.9
+    python studies/mix_order.py runs/mqar_ladder512/attn_h1_v66_mix_e20-s{0,1,2,3,4} --at 1.5x 0.5 0.9
 """
 import argparse
 import os
@@ -38,16 +38,18 @@ def parse_threshold(text):
     except ValueError:
         value = -1
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"a positive accuracy (0.5) or a multiple of 1 / pairs (2x), got {text!r}")
+        raise argparse.ArgumentTypeError(f"a positive accuracy (0.5) or a multiple of 1 / pairs (1.5x), "
+                                         f"got {text!r}")
     return text
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders of MQAR mixture runs (metrics.jsonl)")
-    p.add_argument("--at", nargs="+", type=parse_threshold, default=["2x", "0.5", "0.9"],
-                   help="thresholds: accuracies, or Nx for N / pairs (default: 2x 0.5 0.9)")
-    p.add_argument("--target", default="512x32", help="the run's own val setting, <length>x<pairs> (default 512x32)")
+    p.add_argument("--at", nargs="+", type=parse_threshold, default=["1.5x", "0.5", "0.9"],
+                   help="thresholds: accuracies, or Nx for N / pairs (default: 1.5x 0.5 0.9)")
+    p.add_argument("--target", default="512x32",
+                   help="the run's own val setting, <length>x<pairs> (default 512x32)")
     a = p.parse_args(argv)
     if not re.fullmatch(r"\d+x\d+", a.target):
         print(f"error: --target: <length>x<pairs>, e.g. 512x32 (got {a.target})", file=sys.stderr)
