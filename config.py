@@ -43,6 +43,8 @@ class DataConfig:
     pack: bool = False                  # stdlib/bin: rows of whole documents, boundaries to the model
     bos: bool = False                   # stdlib/bin: every row starts with the end-of-text token (a BOS at
     #                                     position 0 of every row, train and eval; the attention-sink study)
+    seed: Optional[int] = None          # mqar, palindrome, stack, backcopy: the seed of the generated training
+    #                                     and val batches (null = train.seed, which also seeds the init)
     mqar_mix: list = field(default_factory=list)  # mqar: train on [[length, n_pairs], ...] (Zoology's
     #                                     mixture, shorter rows zero-padded); eval stays at seq_len, n_pairs,
     #                                     plus val_acc_<length>x<pairs> for each other setting
@@ -55,6 +57,8 @@ class DataConfig:
                 f"false for {self.kind} (it packs text corpora)", self.pack)
         require(not self.bos or self.kind not in SYNTHETIC_KINDS, f"{path}.bos",
                 f"false for {self.kind} (it starts text rows with end-of-text)", self.bos)
+        require(self.seed is None or self.kind in SYNTHETIC_KINDS, f"{path}.seed",
+                f"null for {self.kind} (text corpora are read in order; it seeds the generated tasks)", self.seed)
         require(not (self.bos and self.pack), f"{path}.bos", "false with data.pack (packed rows already start "
                 "documents with end-of-text)", self.bos)
         for item in self.mqar_mix:

@@ -151,7 +151,8 @@ def make_dataset(cfg, rank=0, world=1):
     B = t.batch_size // world
     if d.kind in SYNTHETIC_KINDS:
         V = d.mqar_vocab or m.vocab_size
-        return SyntheticData(synthetic_batches(d, V, t.seq_len), B, t.seq_len, t.seed, rank, world,
+        seed = t.seed if d.seed is None else d.seed   # data.seed apart from train.seed: data and init crossed
+        return SyntheticData(synthetic_batches(d, V, t.seq_len), B, t.seq_len, seed, rank, world,
                              synthetic_batches(d, V, t.seq_len, train=True), mixture_evals(d, V, t.seq_len))
     if d.kind == "stdlib":
         from data.stdlib import prepare_stdlib

@@ -170,6 +170,25 @@ def test_mqar_mixture_trains_on_padded_settings_and_evaluates_on_the_target(tmp_
     assert ((y_val >= 0).sum(1) == 8).all()                                        # the target
 
 
+def test_data_seed_sets_the_batches_apart_from_train_seed(tmp_path):
+    """data.seed: the generated training and val batches of that seed, whatever train.seed (which seeds the
+    init); null: train.seed's batches."""
+    def data_for(train_seed, data_seed):
+        return make_dataset(from_raw({
+            "model": {"vocab_size": 64, "d_model": 16, "n_layer": 1, "pattern": ["a"],
+                      "layers": {"a": {"kind": "attn", "n_heads": 2}}},
+            "data": {"kind": "mqar", "n_pairs": 8, "seed": data_seed},
+            "train": {"batch_size": 4, "seq_len": 64, "seed": train_seed, "device": "cpu",
+                      "out_dir": str(tmp_path)}}))
+
+    crossed, same, other = data_for(0, 2), data_for(2, None), data_for(0, None)
+    for _ in range(2):
+        x, y = crossed.next_batch()
+        assert torch.equal(x, same.next_batch()[0]) and not torch.equal(x, other.next_batch()[0])
+    assert torch.equal(crossed.make(4, [crossed.seed, 10 ** 9])[0], same.make(4, [same.seed, 10 ** 9])[0])
+    assert crossed.seed == same.seed == 2 and other.seed == 0
+
+
 def test_mqar_mixture_evaluates_each_of_its_settings_as_a_plain_run_would(tmp_path):
     """val_acc_<length>x<pairs> under a mixture == val_acc of a run trained at that setting alone (same
     model, seed and batches); the eval's own setting is not repeated; a plain run reports val_* only."""
