@@ -57,6 +57,7 @@ class DataConfig:
                 f"false for {self.kind} (it packs text corpora)", self.pack)
         require(not self.bos or self.kind not in SYNTHETIC_KINDS, f"{path}.bos",
                 f"false for {self.kind} (it starts text rows with end-of-text)", self.bos)
+        require(self.seed is None or self.seed >= 0, f"{path}.seed", "an integer >= 0 or null", self.seed)
         require(self.seed is None or self.kind in SYNTHETIC_KINDS, f"{path}.seed",
                 f"null for {self.kind} (text corpora are read in order; it seeds the generated tasks)", self.seed)
         require(not (self.bos and self.pack), f"{path}.bos", "false with data.pack (packed rows already start "
@@ -110,6 +111,7 @@ class TrainConfig:
         require(self.lr > 0, f"{path}.lr", "> 0", self.lr)
         require(0 <= self.min_lr_ratio <= 1, f"{path}.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
         require(self.warmup_steps >= 0, f"{path}.warmup_steps", "an integer >= 0", self.warmup_steps)
+        require(self.seed >= 0, f"{path}.seed", "an integer >= 0", self.seed)
         require(self.weight_decay >= 0, f"{path}.weight_decay", ">= 0", self.weight_decay)
         for key in ("beta1", "beta2"):
             require(0 <= getattr(self, key) < 1, f"{path}.{key}", "in [0, 1)", getattr(self, key))

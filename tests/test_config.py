@@ -63,6 +63,8 @@ BAD = [  # (config dict, what the one-line error must name)
     (raw(data={"kind": "mqar", "mqar_mix": [[64]]}), "data.mqar_mix: must be a list of [length, n_pairs] pairs"),
     (raw(data={"seed": 3}), "data.seed: must be null for stdlib (text corpora are read in order"),
     (raw(data={"kind": "mqar", "seed": "two"}), "data.seed: must be an integer"),
+    (raw(data={"kind": "mqar", "seed": -1}), "data.seed: must be an integer >= 0 or null (got -1)"),
+    (raw(train={"seed": -5}), "train.seed: must be an integer >= 0 (got -5)"),
     (raw(data={"kind": "imagenet"}), "data.kind: must be one of stdlib, bin, mqar"),
     (raw(data={"kind": "bin"}), "data.dir: must be a folder of prepared shards"),
     ({**raw(), "optim": {}}, "optim: must be a section"),
