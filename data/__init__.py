@@ -6,6 +6,7 @@ data.pack (packed documents, x and y [1, B*T]), evaluate(model), state_dict() / 
 (the loader position, stored in checkpoints).
 """
 import math
+import re
 
 import torch
 
@@ -68,10 +69,16 @@ def synthetic_batches(d, vocab, seq_len, train=False):
 def mixture_evals(d, vocab, seq_len):
     """{suffix: make} for the MQAR mixture's settings other than the eval's own (seq_len, n_pairs):
     each is evaluated at its own length beside val_acc, as val_acc_<length>x<pairs> (which setting
-    the model learns first)."""
+    the model learns first; mixture_setting reads the name back)."""
     settings = sorted({tuple(s) for s in d.mqar_mix} - {(seq_len, d.n_pairs)}) if d.kind == "mqar" else []
     return {f"{length}x{pairs}": (lambda n, seed, L=length, P=pairs: mqar_batch(n, L, P, vocab, seed)[:2])
             for length, pairs in settings}
+
+
+def mixture_setting(metric):
+    """(length, pairs) of a mixture setting's accuracy, val_acc_<length>x<pairs> (mixture_evals); else None."""
+    m = re.fullmatch(r"val_acc_(\d+)x(\d+)", metric)
+    return (int(m[1]), int(m[2])) if m else None
 
 
 class SyntheticData:
@@ -105,10 +112,10 @@ class SyntheticData:
             losses, accs = [], []
             for i in range(n_batches):  # a held-out seed stream, sliced by rank like next_batch
                 x, y = make(self.world * self.B, [self.seed, 10 ** 9 + i])
-                x, y = x[rows], y[rows]
-                logits, loss = model(x.to(device), y.to(device))
+                x, y = x[rows].to(device), y[rows].to(device)
+                logits, loss = model(x, y)
                 losses.append(loss.item())
-                accs.append(mqar_accuracy(logits, y.to(device)))
+                accs.append(mqar_accuracy(logits, y))
             tail = f"_{suffix}" if suffix else ""
             metrics[f"val_loss{tail}"] = sum(losses) / len(losses)
             metrics[f"val_acc{tail}"] = sum(accs) / len(accs)

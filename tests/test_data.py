@@ -170,16 +170,21 @@ def test_mqar_mixture_trains_on_padded_settings_and_evaluates_on_the_target(tmp_
     assert ((y_val >= 0).sum(1) == 8).all()                                        # the target
 
 
+TINY_MODEL = {"vocab_size": 64, "d_model": 16, "n_layer": 1, "pattern": ["a"],
+              "layers": {"a": {"kind": "attn", "n_heads": 2}}}
+
+
+def tiny_mqar(tmp_path, data, **train):
+    """make_dataset of MQAR (data: the data section's keys) for a one-layer attention model, batch 4."""
+    return make_dataset(from_raw({"model": TINY_MODEL, "data": {"kind": "mqar", **data},
+                                  "train": {"batch_size": 4, "device": "cpu", "out_dir": str(tmp_path), **train}}))
+
+
 def test_data_seed_sets_the_batches_apart_from_train_seed(tmp_path):
     """data.seed: the generated training and val batches of that seed, whatever train.seed (which seeds the
     init); null: train.seed's batches."""
     def data_for(train_seed, data_seed):
-        return make_dataset(from_raw({
-            "model": {"vocab_size": 64, "d_model": 16, "n_layer": 1, "pattern": ["a"],
-                      "layers": {"a": {"kind": "attn", "n_heads": 2}}},
-            "data": {"kind": "mqar", "n_pairs": 8, "seed": data_seed},
-            "train": {"batch_size": 4, "seq_len": 64, "seed": train_seed, "device": "cpu",
-                      "out_dir": str(tmp_path)}}))
+        return tiny_mqar(tmp_path, {"n_pairs": 8, "seed": data_seed}, seq_len=64, seed=train_seed)
 
     crossed, same, other = data_for(0, 2), data_for(2, None), data_for(0, None)
     for _ in range(2):
@@ -195,16 +200,10 @@ def test_mqar_mixture_evaluates_each_of_its_settings_as_a_plain_run_would(tmp_pa
     from model import GPT
 
     def data_for(seq_len, n_pairs, mix):
-        return make_dataset(from_raw({
-            "model": {"vocab_size": 64, "d_model": 16, "n_layer": 1, "pattern": ["a"],
-                      "layers": {"a": {"kind": "attn", "n_heads": 2}}},
-            "data": {"kind": "mqar", "n_pairs": n_pairs, "mqar_mix": mix},
-            "train": {"batch_size": 4, "seq_len": seq_len, "device": "cpu", "out_dir": str(tmp_path)}}))
+        return tiny_mqar(tmp_path, {"n_pairs": n_pairs, "mqar_mix": mix}, seq_len=seq_len)
 
     torch.manual_seed(0)
-    cfg = from_raw({"model": {"vocab_size": 64, "d_model": 16, "n_layer": 1, "pattern": ["a"],
-                              "layers": {"a": {"kind": "attn", "n_heads": 2}}}})
-    model = GPT(cfg.model).eval()
+    model = GPT(from_raw({"model": TINY_MODEL}).model).eval()
     mixed = data_for(128, 8, [[64, 4], [96, 6], [128, 8], [64, 4]]).evaluate(model, 2, "cpu")
     assert sorted(mixed) == ["val_acc", "val_acc_64x4", "val_acc_96x6", "val_loss", "val_loss_64x4", "val_loss_96x6"]
     for suffix, (length, pairs) in {"": (128, 8), "_64x4": (64, 4), "_96x6": (96, 6)}.items():
