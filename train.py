@@ -724,7 +724,7 @@ class Run:
         with self.autocast():
             metrics = self.data.evaluate(evaluated, self.tc.eval_batches, self.device)
         module.train()
-        keys = sorted(metrics)  # every rank evaluated its slice of the same global batches
+        keys = list(metrics)  # the data's order (the same on every rank), e.g. an MQAR mixture's settings by length
         vals = pg.sum_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)) / pg.world
         metrics = dict(zip(keys, vals.tolist()))
         self.write({"step": self.step, **metrics})

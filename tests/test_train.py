@@ -33,6 +33,18 @@ def test_loss_falls_on_mqar(tmp_path):
     assert any("val_loss" in r and "val_acc" in r for r in read_metrics(tmp_path))
 
 
+def test_eval_line_lists_a_mixtures_settings_by_length(tmp_path, capsys):
+    """The step line and metrics.jsonl give the eval's own metrics first, then each mixture setting shortest
+    first (8x2 before 16x3: by number, not by name)."""
+    cfg = mqar_config(tmp_path, max_steps=2, eval_interval=2, ckpt_interval=2)
+    cfg.data.mqar_mix = [[32, 4], [16, 3], [8, 2]]
+    train(cfg)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step 2: "))
+    names = [part.split()[0] for part in line[len("step 2: "):].split(", ")]
+    order = ["val_loss", "val_acc", "val_loss_8x2", "val_acc_8x2", "val_loss_16x3", "val_acc_16x3"]
+    assert names == order and list(read_metrics(tmp_path)[-1])[1:] == order
+
+
 def test_resume_continues_step_count_and_optimizer(tmp_path):
     full = tmp_path / "full"
     train(mqar_config(full, max_steps=60), quiet=True)
