@@ -35,7 +35,7 @@ def loss_curves(runs, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from data import mixture_setting
+    from data import mixture_settings
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     mixed = False
     for label, rows in runs.items():
@@ -47,7 +47,7 @@ def loss_curves(runs, path):
                      label=label)
         axes[1].set_ylabel(key)
         # an MQAR mixture's other settings (val_acc_<length>x<pairs>): the run's colour, one dash per setting
-        settings = sorted((mixture_setting(k), k) for k in (ev[0] if ev else {}) if mixture_setting(k))
+        settings = mixture_settings(ev[0] if ev else {})
         for ((length, pairs), k), dash in zip(settings, [(1, 1), (4, 2), (6, 2, 1, 2), (8, 3)] * 4):
             axes[1].plot([r["step"] for r in ev], [r.get(k) for r in ev], color=line.get_color(), dashes=dash,
                          label=f"{label} {length}/{pairs}")

@@ -81,6 +81,11 @@ def mixture_setting(metric):
     return (int(m[1]), int(m[2])) if m else None
 
 
+def mixture_settings(metrics):
+    """[((length, pairs), metric name)] of the mixture settings' accuracies among metric names, shortest first."""
+    return sorted({(setting, k) for k in metrics if (setting := mixture_setting(k))})
+
+
 class SyntheticData:
     """A synthetic task (MQAR, Palindrome, Stack); batch i is generated from seed (seed, i): resumable
     exactly. Eval: loss and accuracy at the labelled positions; and under an MQAR mixture, the same for

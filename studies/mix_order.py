@@ -12,14 +12,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data import mixture_setting  # noqa: E402
+from data import mixture_setting, mixture_settings  # noqa: E402
 from plot import read_metrics  # noqa: E402
 
 
 def settings_of(rows, target):
     """[(length, pairs, metric name)] of the run's eval rows, shortest first; the target is val_acc."""
-    found = {(*mixture_setting(k), k) for r in rows for k in r if mixture_setting(k)}
-    return sorted(found) + [(*target, "val_acc")]
+    found = mixture_settings({k for r in rows for k in r})
+    return [(*setting, k) for setting, k in found] + [(*target, "val_acc")]
 
 
 def first_steps(rows, metric, pairs, thresholds):
