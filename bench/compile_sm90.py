@@ -16,7 +16,7 @@ is lent. Two steps:
 Exit 1 when a kernel fails to compile at some config, or no config of a launch fits an H100/H200 block's
 227 KB of shared memory (a config over it alone is only reported: the autotuner skips it on the GPU).
 
-    python bench/compile_sm90.py --jobs 2 --out sm90.json   # every row also as JSON; time: README "Speed"
+    python bench/compile_sm90.py --jobs 2 --out sm90.json   # every row also as JSON; time: docs/speed.md
     python bench/compile_sm90.py --only attn        # kernels whose name contains a string
 """
 import argparse

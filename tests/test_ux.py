@@ -118,6 +118,23 @@ def test_readme_section_links_resolve():
     assert [a for a in links if a not in anchors] == []
 
 
+def test_docs_links_resolve():
+    """Every link in docs/*.md names a file of the repository, and an #anchor one of that file's headings."""
+    docs = os.path.join(ROOT, "docs")
+    links = []
+    for name in sorted(os.listdir(docs)):
+        if name.endswith(".md"):
+            links += [(name, target) for target in re.findall(r"\]\(([^)]+)\)", open(os.path.join(docs, name)).read())]
+    assert ("speed.md", "../README.md#speed") in links
+    for name, target in links:
+        path, _, anchor = target.partition("#")
+        path = os.path.normpath(os.path.join(docs, path or name))
+        assert os.path.exists(path), (name, target)
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", open(path).read(), flags=re.M)
+            assert anchor in {heading_anchor(h) for h in headings}, (name, target)
+
+
 def test_slow_marker_selects_tests():
     """`pytest -m slow` (README) selects tests: some carry the mark (else pytest exits 5)."""
     folder = os.path.join(ROOT, "tests")
