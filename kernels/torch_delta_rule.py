@@ -120,7 +120,8 @@ def _chunk_matrices(q, k, G, beta, doc=None):
     if G.shape[-1] == 1:
         decay = _pair_decay(G, doc)                               # [..., C, C]
         P = (q @ k.transpose(-1, -2)) * decay
-        A = beta * (k @ k.transpose(-1, -2)) * decay.tril(-1)
+        A = beta * (k @ k.transpose(-1, -2)) * decay
+        A.diagonal(dim1=-2, dim2=-1).zero_()                      # strictly lower
         for L in _levels(C):
             _invert_level(T_inv, _diag_blocks(A, L)[..., L // 2:, :L // 2], L)
         return P, T_inv
@@ -138,7 +139,7 @@ def _chunk_matrices(q, k, G, beta, doc=None):
         G_ref = G_low[..., h - 1:, :]                             # [..., C/L, 1, K]: last of the low half
         k_low_t = (k_low * torch.exp2(G_ref - G_low)).transpose(-1, -2)  # [..., C/L, K, h], exponent <= 0
         from_ref = torch.exp2(G_high - G_ref)                            # exponent <= 0
-        _diag_blocks(P, L)[..., h:, :h] = same * ((q_high * from_ref) @ k_low_t)
+        _diag_blocks(P, L)[..., h:, :h] = _masked((q_high * from_ref) @ k_low_t, same)
         _invert_level(T_inv, same * beta_high * ((k_high * from_ref) @ k_low_t), L)
     return P, T_inv
 
@@ -167,16 +168,21 @@ def _diag_blocks(M, L):
     return M.view(*lead, C // L, L, C // L, L).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
 
 
-def _pair_decay(G, doc=None):
-    """Per-head gate: [..., C, C] exp(G_i - G_j) for j <= i (and the same document), else 0.
-    G [..., C, 1]; the exponent is masked to -inf above the diagonal before exp, so nothing overflows."""
+def _pair_decay(G, doc=None, strict=False):
+    """Per-head gate: [..., C, C] exp(G_i - G_j) for j <= i (j < i if strict; and the same document), else 0.
+    G [..., C, 1]; the exponent is masked to -inf where the result is 0 before exp, so nothing overflows."""
     C = G.shape[-2]
-    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
+    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril(-1 if strict else 0)
     decay = torch.exp2((G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")))
     return decay if doc is None else decay * (doc == doc.transpose(-1, -2))
 
 
 NO_DOCS = (None, 1.0, 1.0, 1.0)  # _doc_masks without packed documents: nothing masked
+
+
+def _masked(x, mask):
+    """x * mask, or x itself for the mask 1.0 of NO_DOCS (no pass over x to multiply it by one)."""
+    return x if isinstance(mask, float) else x * mask
 
 
 def _chunk_operators(q, k, v, G, beta, masks=NO_DOCS):
@@ -191,10 +197,10 @@ def _chunk_operators(q, k, v, G, beta, masks=NO_DOCS):
     """
     doc, cont, last, carry = masks
     P, T_inv = _chunk_matrices(q, k, G, beta, doc)
-    decay_from_start = torch.exp2(G) * cont                       # exponent <= 0; 0 after a boundary
+    decay_from_start = _masked(torch.exp2(G), cont)               # exponent <= 0; 0 after a boundary
     XY = torch.cat([beta * k * decay_from_start, beta * v], dim=-1)
     G_last = G[..., -1:, :]                                       # [..., 1, K or 1]
-    k_to_end = k * torch.exp2(G_last - G) * last                  # k_j decayed to the chunk end
+    k_to_end = _masked(k * torch.exp2(G_last - G), last)          # k_j decayed to the chunk end
     state_decay = (torch.exp2(G_last) * carry).transpose(-1, -2)
     return P, T_inv, XY, T_inv @ XY, q * decay_from_start, k_to_end, state_decay
 
@@ -232,7 +238,7 @@ def _decayed_matmuls(M, a, b, G):
     F = (M * decay) b and B = (M * decay)^T a with the [C, C] decay matrix."""
     C, K = b.shape[-2:]
     if G.shape[-1] == 1:                                          # per-head gate: one [C, C] decay matrix
-        M = M.tril(-1) * _pair_decay(G)
+        M = M * _pair_decay(G, strict=True)                       # M's strict lower triangle
         return M @ b, M.transpose(-1, -2) @ a
     F_, B_ = torch.zeros_like(b), torch.zeros_like(a)
     for L in _levels(C):
@@ -290,7 +296,11 @@ def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
     # through the chunk map (u = U - W S, O = q_decayed S + P u, S_next = state_decay S + k_to_end^T u)
     u = U - W @ S_start                                           # [B,H,N,C,V]
     dq_decayed = dO @ S_start.transpose(-1, -2)                   # [B,H,N,C,K]
-    dP = (dO @ u.transpose(-1, -2)).tril() * same_doc
+    # dP and dA side by side for _decayed_matmuls, which reads only their strict lower triangles (dP's
+    # diagonal is taken apart below)
+    dPA = u.new_empty(2, *dO.shape[:-1], dO.shape[-2])            # [2, B,H,N,C,C]
+    dP, dA = dPA.unbind(0)
+    torch.matmul(dO, u.transpose(-1, -2), out=dP)
     dWU = torch.cat([-du @ S_start.transpose(-1, -2), du], dim=-1)
     dk_to_end = u @ dS_next.transpose(-1, -2)                     # [B,H,N,C,K]
     dG_last = (S_start * dS_next).sum(-1)[..., None, :] * state_decay.transpose(-1, -2)  # [B,H,N,1,K]
@@ -299,17 +309,18 @@ def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
     # through the operators
     dXY = T_inv.transpose(-1, -2) @ dWU                           # WU = T_inv XY
     del dWU, T_inv
-    dA = -(dXY @ WU.transpose(-1, -2)).tril(-1) * same_doc        # T_inv = (I + A)^-1
+    torch.matmul(dXY, WU.transpose(-1, -2), out=dA).neg_()        # T_inv = (I + A)^-1
+    dPA = _masked(dPA, same_doc)
     del WU, W, U
     dX, dY = dXY[..., :K], dXY[..., K:]
-    decay_from_start = torch.exp2(G) * masks[1]
+    decay_from_start = _masked(torch.exp2(G), masks[1])
     k_terms_X = dX * beta * decay_from_start
     dbeta = (dX * k * decay_from_start).sum(-1, keepdim=True) + (dY * v).sum(-1, keepdim=True)
     dv = beta * dY
     del dXY, dX, dY
     # the terms that do not go through P or A, summed now so that their parts are freed early
     dq = dq_decayed * decay_from_start
-    dk = k_terms_X + dk_to_end * torch.exp2(G[..., -1:, :] - G) * last
+    dk = k_terms_X + _masked(dk_to_end * torch.exp2(G[..., -1:, :] - G), last)
     dG = q_decayed * dq_decayed + k * k_terms_X
     dG[..., -1:, :] += dG_last
     # k_j exp(G_last - G_j) depends on g_i for j < i <= last: its gradient reaches g_i as
@@ -319,15 +330,15 @@ def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
     to_end_total = to_end.sum(-2, keepdim=True)                   # [..., 1, K]
     del dq_decayed, decay_from_start, k_terms_X, q_decayed, dk_to_end, k_to_end, to_end
     # P[i,j] = (q_i exp(G_i - G_j)) . k_j  and  A[i,j] = beta_i (k_i exp(G_i - G_j)) . k_j, in one pass
-    dP_diag = dP.diagonal(dim1=-2, dim2=-1)[..., None].clone()   # P[i,i] = q_i . k_i: no decay (a copy: dP is freed)
-    dPA = torch.stack([dP, dA])
+    dP_diag = dPA[0].diagonal(dim1=-2, dim2=-1)[..., None].clone()  # P[i,i] = q_i . k_i: no decay (a copy: dPA is freed)
     del dP, dA
     (from_P, from_A), (to_P, to_A) = _decayed_matmuls(dPA, torch.stack([q, beta * k]), k.expand(2, *k.shape), G)
     del dPA
     dbeta = dbeta + (k * from_A).sum(-1, keepdim=True)
-    dq += from_P + dP_diag * k
-    dk += to_P + dP_diag * q + beta * from_A + to_A
-    dG += q * from_P - k * to_P + k * (beta * from_A) - k * to_A
+    beta_from_A = beta * from_A                                   # (fused in-place updates: fewer passes)
+    dq.add_(from_P).addcmul_(dP_diag, k)                          # dq += from_P + dP_diag k
+    dk.add_(to_P).add_(to_A).add_(beta_from_A).addcmul_(dP_diag, q)
+    dG.addcmul_(q, from_P).addcmul_(k, beta_from_A.sub_(to_P).sub_(to_A))  # + k (beta from_A - to_P - to_A)
     dg = dG.flip(-2).cumsum(-2).flip(-2) + to_end_total          # G = cumsum(g) within each chunk
     if G.shape[-1] == 1:                                          # per-head gate: G broadcast over K
         dg = dg.sum(-1, keepdim=True)
