@@ -198,7 +198,7 @@ def _chunk_operators(q, k, v, G, beta, masks=NO_DOCS):
     doc, cont, last, carry = masks
     P, T_inv = _chunk_matrices(q, k, G, beta, doc)
     decay_from_start = _masked(torch.exp2(G), cont)               # exponent <= 0; 0 after a boundary
-    XY = torch.cat([beta * k * decay_from_start, beta * v], dim=-1)
+    XY = torch.cat([k * decay_from_start, v], dim=-1) * beta
     G_last = G[..., -1:, :]                                       # [..., 1, K or 1]
     k_to_end = _masked(k * torch.exp2(G_last - G), last)          # k_j decayed to the chunk end
     state_decay = (torch.exp2(G_last) * carry).transpose(-1, -2)
@@ -246,20 +246,23 @@ def _decayed_matmuls(M, a, b, G):
         halves = lambda x: x.reshape(*x.shape[:-2], n, 2, h, x.shape[-1]).unbind(-3)  # low, high: [..., n, h, D]
         G_low, G_high = halves(G)
         G_ref = G_low[..., h - 1:, :]                             # [..., n, 1, K or 1]
-        to_ref, from_ref = torch.exp2(G_ref - G_low), torch.exp2(G_high - G_ref)
+        to_ref, from_ref = (G_ref - G_low).exp2_(), (G_high - G_ref).exp2_()
         M21 = _diag_blocks(M, L)[..., h:, :h]                     # rows in the high half, columns in the low
         mm = _thin_matmul if h <= 2 else torch.matmul
-        F_.view(*b.shape[:-2], n, 2, h, K)[..., 1, :, :] += mm(M21, halves(b)[0] * to_ref).mul_(from_ref)
-        B_.view(*a.shape[:-2], n, 2, h, K)[..., 0, :, :] += mm(M21.transpose(-1, -2), halves(a)[1] * from_ref).mul_(to_ref)
+        F_.view(*b.shape[:-2], n, 2, h, K)[..., 1, :, :].addcmul_(mm(M21, halves(b)[0] * to_ref), from_ref)
+        B_.view(*a.shape[:-2], n, 2, h, K)[..., 0, :, :].addcmul_(mm(M21.transpose(-1, -2), halves(a)[1] * from_ref), to_ref)
         del to_ref, from_ref                                      # not alive while the next level allocates
     return F_, B_
 
 
 def _thin_matmul(a, b):
-    """a [..., m, h] @ b [..., h, n] for a tiny inner dimension h, as a sum of h broadcast products. For
-    [h, h] @ [h, 64] with h <= 2 (the first levels of the halving) torch's CPU bmm runs its scalar loop for
-    small products, about 4x slower than this."""
-    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    """a [..., m, h] @ b [..., h, n] for a tiny inner dimension h, as h broadcast outer products summed in
+    place. For [h, h] @ [h, 64] with h <= 2 (the first levels of the halving) torch's CPU bmm runs its scalar
+    loop for small products, about 4x slower than this."""
+    out = a[..., :1] * b[..., :1, :]
+    for i in range(1, a.shape[-1]):
+        out.addcmul_(a[..., i:i + 1], b[..., i:i + 1, :])
+    return out
 
 
 def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
@@ -301,7 +304,8 @@ def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
     dPA = u.new_empty(2, *dO.shape[:-1], dO.shape[-2])            # [2, B,H,N,C,C]
     dP, dA = dPA.unbind(0)
     torch.matmul(dO, u.transpose(-1, -2), out=dP)
-    dWU = torch.cat([-du @ S_start.transpose(-1, -2), du], dim=-1)
+    dWU = torch.cat([du @ S_start.transpose(-1, -2), du], dim=-1)
+    dWU[..., :K].neg_()                                           # dW = -du S^T
     dk_to_end = u @ dS_next.transpose(-1, -2)                     # [B,H,N,C,K]
     dG_last = (S_start * dS_next).sum(-1)[..., None, :] * state_decay.transpose(-1, -2)  # [B,H,N,1,K]
     del u, du, dS_next
@@ -314,18 +318,20 @@ def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
     del WU, W, U
     dX, dY = dXY[..., :K], dXY[..., K:]
     decay_from_start = _masked(torch.exp2(G), masks[1])
-    k_terms_X = dX * beta * decay_from_start
-    dbeta = (dX * k * decay_from_start).sum(-1, keepdim=True) + (dY * v).sum(-1, keepdim=True)
+    dX_decayed = dX * decay_from_start
+    k_terms_X = dX_decayed * beta
+    dbeta = (dX_decayed * k).sum(-1, keepdim=True) + (dY * v).sum(-1, keepdim=True)
     dv = beta * dY
-    del dXY, dX, dY
-    # the terms that do not go through P or A, summed now so that their parts are freed early
-    dq = dq_decayed * decay_from_start
-    dk = k_terms_X + _masked(dk_to_end * torch.exp2(G[..., -1:, :] - G), last)
-    dG = q_decayed * dq_decayed + k * k_terms_X
+    del dXY, dX, dY, dX_decayed
+    # the terms that do not go through P or A, summed now so that their parts are freed early (in place
+    # where a temporary is not read again: fewer fresh buffers)
+    dk = torch.addcmul(k_terms_X, dk_to_end, _masked((G[..., -1:, :] - G).exp2_(), last))
+    dG = (q_decayed * dq_decayed).addcmul_(k, k_terms_X)
     dG[..., -1:, :] += dG_last
+    dq = dq_decayed.mul_(decay_from_start)
     # k_j exp(G_last - G_j) depends on g_i for j < i <= last: its gradient reaches g_i as
     # sum_{j<i} to_end_j = sum_j to_end_j - sum_{j>=i} to_end_j, the second part a reversed cumsum like dG's
-    to_end = dk_to_end * k_to_end
+    to_end = dk_to_end.mul_(k_to_end)
     dG -= to_end
     to_end_total = to_end.sum(-2, keepdim=True)                   # [..., 1, K]
     del dq_decayed, decay_from_start, k_terms_X, q_decayed, dk_to_end, k_to_end, to_end
@@ -339,7 +345,7 @@ def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS):
     dq.add_(from_P).addcmul_(dP_diag, k)                          # dq += from_P + dP_diag k
     dk.add_(to_P).add_(to_A).add_(beta_from_A).addcmul_(dP_diag, q)
     dG.addcmul_(q, from_P).addcmul_(k, beta_from_A.sub_(to_P).sub_(to_A))  # + k (beta from_A - to_P - to_A)
-    dg = dG.flip(-2).cumsum(-2).flip(-2) + to_end_total          # G = cumsum(g) within each chunk
+    dg = dG.flip(-2).cumsum(-2).flip(-2).add_(to_end_total)      # G = cumsum(g) within each chunk
     if G.shape[-1] == 1:                                          # per-head gate: G broadcast over K
         dg = dg.sum(-1, keepdim=True)
     return dq, dk, dv, dg, dbeta, dS0
