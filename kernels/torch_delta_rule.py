@@ -170,7 +170,7 @@ def _diag_blocks(M, L):
 
 def _pair_decay(G, doc=None, strict=False):
     """Per-head gate: [..., C, C] exp(G_i - G_j) for j <= i (j < i if strict; and the same document), else 0.
-    G [..., C, 1]; the exponent is masked to -inf where the result is 0 before exp, so nothing overflows."""
+    G [..., C, 1]; the exponent is set to -inf where the result is 0 before exp2, so nothing overflows."""
     C = G.shape[-2]
     causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril(-1 if strict else 0)
     decay = torch.exp2((G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")))
