@@ -306,8 +306,10 @@ def test_ctrl_c_saves_and_stops_a_second_aborts(tmp_path):
     # a second Ctrl-C during the step that finishes after the first: abort at once, one line, exit 130
     (run / f"ckpt_{step}.pt").unlink()
     (run / "metrics.jsonl").unlink()
-    p = subprocess.Popen(train_cmd(tmp_path, batch_size=64, seq_len=512), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)  # ~1 s steps: both signals land in one
+    # steps of 2-3 s on an idle 2-core CPU, so both signals land in one (at 64 x 512 a step took 0.2 s there: the
+    # second signal came after the first had stopped the run, and killed it with -2)
+    p = subprocess.Popen(train_cmd(tmp_path, batch_size=256, seq_len=1024), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
     wait_for_steps(p, run, n=1)
     p.send_signal(signal.SIGINT)
     time.sleep(0.2)  # two separate deliveries (Python merges signals that arrive before its handler runs)
