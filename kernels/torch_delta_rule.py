@@ -201,7 +201,7 @@ def _chunk_operators(q, k, v, G, beta, masks=NO_DOCS):
     XY = torch.cat([k * decay_from_start, v], dim=-1) * beta
     G_last = G[..., -1:, :]                                       # [..., 1, K or 1]
     k_to_end = _masked(k * torch.exp2(G_last - G), last)          # k_j decayed to the chunk end
-    state_decay = (torch.exp2(G_last) * carry).transpose(-1, -2)
+    state_decay = _masked(torch.exp2(G_last), carry).transpose(-1, -2)
     return P, T_inv, XY, T_inv @ XY, q * decay_from_start, k_to_end, state_decay
 
 
