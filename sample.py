@@ -109,7 +109,7 @@ def check_prompt(args, cfg, encode):
     return prompt
 
 
-def main(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="out/default", help="checkpoint file or folder (latest ckpt_*.pt)")
     p.add_argument("--prompt", default="\n", help="prompt text")
@@ -125,17 +125,27 @@ def main(argv=None):
                    help="tokens global attention layers can cache (default: prompt + max_new_tokens)")
     p.add_argument("--tokenizer", default=None, help="tiktoken encoding name for non-byte vocabularies")
     add_serve_args(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def range_error(args):
+    """The first numeric option out of its range, as one line, or None."""
     for name, ok, allowed in [("num_samples", args.num_samples >= 1, ">= 1"),
                               ("max_new_tokens", args.max_new_tokens >= 1, ">= 1"),
                               ("temperature", args.temperature >= 0, ">= 0"),
                               ("top_k", args.top_k is None or args.top_k >= 1, ">= 1"),
-                              ("top_p", args.top_p is None or 0 < args.top_p <= 1, "in (0, 1]")]:
+                              ("top_p", args.top_p is None or 0 < args.top_p <= 1, "in (0, 1]"),
+                              ("cache_len", args.cache_len is None or args.cache_len >= 1, ">= 1")]:
         if not ok:
-            print(f"error: --{name} must be {allowed} (got {getattr(args, name)})", file=sys.stderr)
-            return 2
-    if args.cache_len is not None and args.cache_len < 1:
-        print(f"error: --cache_len must be >= 1 (got {args.cache_len})", file=sys.stderr)
+            return f"--{name} must be {allowed} (got {getattr(args, name)})"
+    return None
+
+
+def main(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if problem := range_error(args):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         from train import pick_device
@@ -153,6 +163,12 @@ def main(argv=None):
         return 2
     if args.prompts_file:
         return serve_file(args, model, encode, decode)
+    return stream_samples(args, model, prompt, decode)
+
+
+def stream_samples(args, model, prompt, decode):
+    """Generate args.num_samples continuations of `prompt` (token ids) in one batch and print them: the first
+    streams as it is decoded, the others follow it. Returns the exit status."""
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     idx = torch.tensor([prompt] * args.num_samples, device=args.device)
     tokens = model.generate_stream(idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen,
