@@ -662,39 +662,45 @@ def make_plots(sweep, results):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     out, made = sweep["out_dir"], []
-
-    def save(fig, name):
-        fig.tight_layout()
-        try:  # atomically: an interrupted report never leaves a torn file
-            atomic_write(os.path.join(out, name), lambda f: fig.savefig(f, dpi=80, format="png"))
-        finally:
-            plt.close(fig)
-        made.append(name)
-
     # training loss and the eval metric over steps (plot.py, also for single runs)
     loss_curves({variant: read_metrics(result_dir(sweep, rs[0])) for variant, rs in results.items()},
                 os.path.join(out, "loss_curves.png"))
     made.append("loss_curves.png")
-
-    # MQAR accuracy by recall distance
-    if any("by_distance" in r["evals"].get("mqar", {}) for rs in results.values() for r in rs):
+    for name, draw in [("acc_by_distance.png", _plot_acc_by_distance), ("cache_bytes.png", _plot_cache_bytes),
+                       ("loss_by_position.png", _plot_loss_by_position)]:
         fig, ax = plt.subplots(figsize=(6, 3.8))
-        markers = "osD^vP*Xh<>"
-        for i, (variant, rs) in enumerate(results.items()):
-            rows = rs[0]["evals"].get("mqar", {}).get("by_distance")
-            if rows:  # shrinking markers keep overlapping lines (all at 1.0, say) visible
-                ax.plot([math.sqrt(r["lo"] * r["hi"]) for r in rows], [r["acc"] for r in rows],
-                        marker=markers[i % len(markers)], markersize=max(3, 10 - i), label=variant)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("distance key -> query (tokens, power-of-two buckets)")
-        ax.set_ylabel("accuracy")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "acc_by_distance.png")
+        try:
+            if not draw(ax, sweep, results):                      # nothing to plot for this sweep
+                continue
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            # atomically: an interrupted report never leaves a torn file
+            atomic_write(os.path.join(out, name), lambda f: fig.savefig(f, dpi=80, format="png"))
+            made.append(name)
+        finally:
+            plt.close(fig)
+    return made
 
-    # cache bytes vs context, log-log
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+
+def _plot_acc_by_distance(ax, sweep, results):
+    """MQAR accuracy by recall distance, one line per variant (its first seed); False without MQAR evals."""
+    markers, drawn = "osD^vP*Xh<>", False
+    for i, (variant, rs) in enumerate(results.items()):
+        rows = rs[0]["evals"].get("mqar", {}).get("by_distance")
+        if rows:  # shrinking markers keep overlapping lines (all at 1.0, say) visible
+            ax.plot([math.sqrt(r["lo"] * r["hi"]) for r in rows], [r["acc"] for r in rows],
+                    marker=markers[i % len(markers)], markersize=max(3, 10 - i), label=variant)
+            drawn = True
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("distance key -> query (tokens, power-of-two buckets)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    return drawn
+
+
+def _plot_cache_bytes(ax, sweep, results):
+    """Decode cache bytes against context, log-log, from the cost model."""
     Ls = [2 ** i for i in range(8, 21)]
     for variant, rs in results.items():
         cfg = config_for(sweep, variant, rs[0]["seed"])
@@ -704,26 +710,23 @@ def make_plots(sweep, results):
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode cache bytes (bf16, batch 1)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    save(fig, "cache_bytes.png")
+    return True
 
-    # loss by position (length extrapolation)
-    if any("by_position" in r["evals"].get("length", {}) for rs in results.values() for r in rs):
-        fig, ax = plt.subplots(figsize=(6, 3.8))
-        T = None
-        for variant, rs in results.items():
-            rows = rs[0]["evals"].get("length", {}).get("by_position")
-            if rows:
-                ax.plot([(r["lo"] + r["hi"]) / 2 for r in rows], [r["loss"] for r in rows], marker=".", label=variant)
-                T = config_for(sweep, variant, rs[0]["seed"]).train.seq_len
-        if T:
-            ax.axvline(T, color="gray", ls="--", lw=1)
-        ax.set_xlabel("position (dashed: training length)")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "loss_by_position.png")
-    return made
+
+def _plot_loss_by_position(ax, sweep, results):
+    """Loss by position (length extrapolation), dashed at the training length; False without length evals."""
+    T = None
+    for variant, rs in results.items():
+        rows = rs[0]["evals"].get("length", {}).get("by_position")
+        if rows:
+            ax.plot([(r["lo"] + r["hi"]) / 2 for r in rows], [r["loss"] for r in rows], marker=".", label=variant)
+            T = config_for(sweep, variant, rs[0]["seed"]).train.seq_len
+    if T:
+        ax.axvline(T, color="gray", ls="--", lw=1)
+    ax.set_xlabel("position (dashed: training length)")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    return T is not None
 
 
 def _per_variant(cfgs, field, fmt):
