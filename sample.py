@@ -311,6 +311,7 @@ def serve_file(args, model, encode, decode):
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        print(f"wrote {len(lines)} completions to {args.output}", file=sys.stderr)
     else:
         sys.stdout.writelines(lines)
     n_bad = sum(r.error is not None for r in reqs)

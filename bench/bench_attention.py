@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--hdims", type=int, nargs="+", default=[64, 128], help="head dims (Dk = Dv)")
@@ -42,7 +42,7 @@ def parse_args():
                    help="compare gradients only up to this T (the references materialise more memory)")
     p.add_argument("--warmup", type=int, default=25, help="ms of warmup per timing")
     p.add_argument("--rep", type=int, default=100, help="ms of repetitions per timing")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def visible_pairs(T, S, window):
@@ -77,123 +77,136 @@ def smoke_check_on_cpu():
     print("ok")
 
 
-def main():
-    args = parse_args()
-    if not torch.cuda.is_available():
-        smoke_check_on_cpu()
-        return
+def table_cases(args, T):
+    """[(row name, window or None, with learned sinks)] at sequence length T."""
+    cases = []
+    if "causal" in args.cases:
+        cases.append(("causal", None, False))
+    if "window" in args.cases:
+        cases += [(f"window {w}", w, False) for w in args.windows if w < T]
+    if "sinks" in args.cases:
+        cases.append(("sinks", None, True))
+    return cases
 
+
+def contenders(x, window, with_sinks, flash_attn_func):
+    """{impl: (fn, its inputs)} for one row; x holds q, k, v [B, T, H(kv), D] and sinks [H]."""
     import torch.nn.functional as F
-    from triton.testing import do_bench
-
     from kernels import attention
-    try:
-        from flash_attn import flash_attn_func
-    except ImportError:
-        flash_attn_func = None
+    q, k, v, sinks = x["q"], x["k"], x["v"], x["sinks"]
+    qkv, gqa = [q, k, v], q.shape[2] != k.shape[2]
+    heads = lambda t: t.transpose(1, 2)                            # noqa: E731  [B, T, H, D] <-> [B, H, T, D]
+    s = sinks if with_sinks else None
+    impls = {"triton": (lambda: attention(q, k, v, window=window, sinks=s, backend="triton"),
+                        qkv + ([sinks] if with_sinks else []))}
+    if window is None:
+        impls["sdpa"] = (lambda: heads(F.scaled_dot_product_attention(
+            heads(q), heads(k), heads(v), is_causal=True, enable_gqa=gqa)), qkv)
+    else:
+        i = torch.arange(q.shape[1], device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        impls["sdpa(mask)"] = (lambda: heads(F.scaled_dot_product_attention(
+            heads(q), heads(k), heads(v), attn_mask=mask, enable_gqa=gqa)), qkv)
+    if flash_attn_func is not None and q.dtype != torch.float32 and not with_sinks:
+        left = -1 if window is None else window - 1
+        impls["flash_attn"] = (lambda: flash_attn_func(q, k, v, causal=True, window_size=(left, 0)), qkv)
+    return impls
 
+
+def outputs_and_grads(fn, inputs, do, with_grads):
+    for x in inputs:
+        x.grad = None
+    o = fn()
+    if not with_grads:
+        return o.detach(), None
+    o.backward(do)
+    return o.detach(), [x.grad.clone() for x in inputs]
+
+
+def check_row(impls, x, window, with_sinks, with_grads):
+    """(max |o| diff, max |grad| diff or "-") of triton against the reference of this row: the torch backend
+    when it has sinks, SDPA otherwise."""
+    from kernels import attention
+    max_diff = lambda a, b: (a.float() - b.float()).abs().max().item()   # noqa: E731
+    fn, inputs = impls["triton"]
+    if with_sinks:
+        ref_fn = lambda: attention(x["q"], x["k"], x["v"], window=window, sinks=x["sinks"], backend="torch")  # noqa: E731
+    else:
+        ref_fn = impls["sdpa" if window is None else "sdpa(mask)"][0]
+    o_tri, g_tri = outputs_and_grads(fn, inputs, x["do"], with_grads)
+    o_ref, g_ref = outputs_and_grads(ref_fn, inputs, x["do"], with_grads)
+    diff_g = f"{max(max_diff(a, b) for a, b in zip(g_tri, g_ref)):.2e}" if with_grads else "-"
+    return f"{max_diff(o_tri, o_ref):.2e}", diff_g
+
+
+def time_fwd_and_fwd_bwd(timer, fn, inputs, do, no_backward):
+    """(forward ms, forward + backward ms or nan); timer(fn, grad_to_none) -> ms."""
+    fwd = timer(fn, None)
+    if no_backward:
+        return fwd, float("nan")
+    return fwd, timer(lambda: fn().backward(do), inputs)
+
+
+def run_table(args, device, timer, flash_attn_func=None):
+    """Print the table; returns its rows as dicts (case, D, T, impl, fwd_ms, fb_ms, diff_o, diff_g)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    dev = "cuda"
-    print(f"device: {torch.cuda.get_device_name()}  dtype: {args.dtype}  tokens per batch: {args.tokens}  "
-          f"flash_attn: {'yes' if flash_attn_func else 'not installed'}")
     header = (f"{'case':<12}{'D':>5}{'B':>4}{'T':>7}{'H':>4}  {'impl':<12}{'fwd ms':>9}{'TFLOP/s':>9}"
               f"{'f+b ms':>9}{'TFLOP/s':>9}  {'max|do|':>9}{'max|dgrad|':>11}")
     print(header)
     print("-" * len(header))
-
-    def bench(fn, inputs, do):
-        fwd = do_bench(fn, warmup=args.warmup, rep=args.rep)
-        if args.no_backward:
-            return fwd, float("nan")
-
-        def fwd_bwd():
-            fn().backward(do)
-        return fwd, do_bench(fwd_bwd, warmup=args.warmup, rep=args.rep, grad_to_none=inputs)
-
-    def outputs_and_grads(fn, inputs, do, with_grads):
-        for x in inputs:
-            x.grad = None
-        o = fn()
-        if not with_grads:
-            return o.detach(), None
-        o.backward(do)
-        return o.detach(), [x.grad.clone() for x in inputs]
-
-    def max_diff(a, b):
-        return (a.float() - b.float()).abs().max().item()
-
+    rows = []
     for D in args.hdims:
         H = args.model_dim // D
         Hkv = args.kv_heads or H
         for T in args.seqlens:
             B = max(1, args.tokens // T)
-            gen = torch.Generator(device=dev).manual_seed(0)
-            q = torch.randn(B, T, H, D, device=dev, dtype=dtype, generator=gen).requires_grad_()
-            k = torch.randn(B, T, Hkv, D, device=dev, dtype=dtype, generator=gen).requires_grad_()
-            v = torch.randn(B, T, Hkv, D, device=dev, dtype=dtype, generator=gen).requires_grad_()
-            sinks = torch.randn(H, device=dev, dtype=torch.float32, generator=gen).requires_grad_()
-            do = torch.randn(B, T, H, D, device=dev, dtype=dtype, generator=gen)
-            qkv = [q, k, v]
-
-            cases = []
-            if "causal" in args.cases:
-                cases.append(("causal", None, False))
-            if "window" in args.cases:
-                cases += [(f"window {w}", w, False) for w in args.windows if w < T]
-            if "sinks" in args.cases:
-                cases.append(("sinks", None, True))
-
-            for name, window, with_sinks in cases:
+            gen = torch.Generator(device=device).manual_seed(0)
+            randn = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=gen)  # noqa: E731
+            x = {"q": randn(B, T, H, D).requires_grad_(), "k": randn(B, T, Hkv, D).requires_grad_(),
+                 "v": randn(B, T, Hkv, D).requires_grad_(),
+                 "sinks": torch.randn(H, device=device, generator=gen).requires_grad_(), "do": randn(B, T, H, D)}
+            for name, window, with_sinks in table_cases(args, T):
                 flops_fwd = 2.0 * B * H * visible_pairs(T, T, window) * (D + D)
-                impls = {}
-                s = sinks if with_sinks else None
-                inputs = qkv + ([sinks] if with_sinks else [])
-                impls["triton"] = (lambda w=window, s=s: attention(q, k, v, window=w, sinks=s, backend="triton"), inputs)
-                if window is None:
-                    impls["sdpa"] = (lambda: F.scaled_dot_product_attention(
-                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                        enable_gqa=H != Hkv).transpose(1, 2), qkv)
-                else:
-                    i = torch.arange(T, device=dev)
-                    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
-                    impls["sdpa(mask)"] = (lambda m=mask: F.scaled_dot_product_attention(
-                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m,
-                        enable_gqa=H != Hkv).transpose(1, 2), qkv)
-                if flash_attn_func is not None and dtype != torch.float32 and not with_sinks:
-                    left = -1 if window is None else window - 1
-                    impls["flash_attn"] = (lambda left=left: flash_attn_func(q, k, v, causal=True,
-                                                                             window_size=(left, 0)), qkv)
-
-                # correctness: triton against the reference for this case (torch backend when it has
-                # sinks or a window; SDPA otherwise)
+                impls = contenders(x, window, with_sinks, flash_attn_func)
                 diff_o = diff_g = "-"
                 if not args.no_check:
                     with_grads = not args.no_backward and T <= args.check_grads_max_T
-                    if with_sinks:
-                        ref_fn = lambda: attention(q, k, v, window=window, sinks=sinks, backend="torch")  # noqa: E731
-                    else:
-                        ref_fn = impls["sdpa" if window is None else "sdpa(mask)"][0]
-                    o_tri, g_tri = outputs_and_grads(impls["triton"][0], inputs, do, with_grads)
-                    o_ref, g_ref = outputs_and_grads(ref_fn, inputs, do, with_grads)
-                    diff_o = f"{max_diff(o_tri, o_ref):.2e}"
-                    if with_grads:
-                        diff_g = f"{max(max_diff(a, b) for a, b in zip(g_tri, g_ref)):.2e}"
-                    del o_tri, g_tri, o_ref, g_ref
-
+                    diff_o, diff_g = check_row(impls, x, window, with_sinks, with_grads)
                 for impl, (fn, impl_inputs) in impls.items():
                     try:
-                        fwd_ms, fb_ms = bench(fn, impl_inputs, do)
+                        fwd_ms, fb_ms = time_fwd_and_fwd_bwd(timer, fn, impl_inputs, x["do"], args.no_backward)
                     except (RuntimeError, torch.OutOfMemoryError) as e:   # e.g. a dense mask too big
                         print(f"{name:<12}{D:>5}{B:>4}{T:>7}{H:>4}  {impl:<12}  failed: {str(e).splitlines()[0][:60]}")
-                        torch.cuda.empty_cache()
+                        if device == "cuda":
+                            torch.cuda.empty_cache()
                         continue
-                    tf = flops_fwd / fwd_ms * 1e-9
-                    tf_fb = 3.5 * flops_fwd / fb_ms * 1e-9
+                    tf, tf_fb = flops_fwd / fwd_ms * 1e-9, 3.5 * flops_fwd / fb_ms * 1e-9
                     check = f"{diff_o:>9}{diff_g:>11}" if impl == "triton" else ""
                     print(f"{name:<12}{D:>5}{B:>4}{T:>7}{H:>4}  {impl:<12}{fwd_ms:>9.3f}{tf:>9.1f}"
                           f"{fb_ms:>9.3f}{tf_fb:>9.1f}  {check}", flush=True)
-            del q, k, v, do, sinks, qkv
-            torch.cuda.empty_cache()
+                    rows.append({"case": name, "D": D, "T": T, "impl": impl, "fwd_ms": fwd_ms, "fb_ms": fb_ms,
+                                 "diff_o": diff_o if impl == "triton" else None,
+                                 "diff_g": diff_g if impl == "triton" else None})
+            del x
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        smoke_check_on_cpu()
+        return
+    from triton.testing import do_bench
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        flash_attn_func = None
+    print(f"device: {torch.cuda.get_device_name()}  dtype: {args.dtype}  tokens per batch: {args.tokens}  "
+          f"flash_attn: {'yes' if flash_attn_func else 'not installed'}")
+    timer = lambda fn, grad_to_none: do_bench(fn, warmup=args.warmup, rep=args.rep, grad_to_none=grad_to_none)  # noqa: E731
+    run_table(args, "cuda", timer, flash_attn_func)
 
 
 if __name__ == "__main__":

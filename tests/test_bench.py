@@ -291,3 +291,24 @@ def test_gpu_check_stops_a_cell_past_its_limit_and_goes_on(tmp_path, monkeypatch
     assert gpu_check.parse_args(["--cell-limit", "60"]).cell_limit == 60
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--cell-limit", "0"])
+
+
+def test_bench_attention_table_runs_every_case_and_checks_triton(capsys):
+    """bench_attention.py's GPU table, run on CPU tensors (Triton interpreter, fp32, a wall-clock timer in place
+    of triton's do_bench): every case gets its contenders, the triton row its output and gradient errors."""
+    import bench_attention
+    args = bench_attention.parse_args(["--hdims", "16", "--seqlens", "24", "--tokens", "48", "--model-dim", "32",
+                                       "--kv-heads", "1", "--windows", "8", "32", "--dtype", "fp32"])
+
+    def timer(fn, grad_to_none):
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
+    rows = bench_attention.run_table(args, "cpu", timer)
+    assert [(r["case"], r["impl"]) for r in rows] == [("causal", "triton"), ("causal", "sdpa"), ("window 8", "triton"),
+                                                      ("window 8", "sdpa(mask)"), ("sinks", "triton"), ("sinks", "sdpa")]
+    for r in rows:
+        assert r["fwd_ms"] > 0 and r["fb_ms"] > 0
+        if r["impl"] == "triton":
+            assert float(r["diff_o"]) < 1e-4 and float(r["diff_g"]) < 1e-4, r
+    assert "window 8" in capsys.readouterr().out

@@ -34,7 +34,7 @@ def test_prompts_file_equals_single_prompt_mode(ckpt, tmp_path, capsys):
     prompts = ["def f(x):", "import os\n", "a", "class A:\n    pass\n" * 3]
     rc, got = run(ckpt, tmp_path, [json.dumps({"prompt": p, "id": i}) for i, p in enumerate(prompts)])
     assert rc == 0 and [g["id"] for g in got] == [0, 1, 2, 3]
-    capsys.readouterr()
+    assert capsys.readouterr().err.strip().endswith(f"wrote 4 completions to {tmp_path / 'o.jsonl'}")
     for p, g in zip(prompts, got):
         assert sample.main(["--ckpt", ckpt, "--prompt", p, "--temperature", "0", "--max_new_tokens", "6"]) == 0
         assert capsys.readouterr().out == p + g["completion"] + "\n"
