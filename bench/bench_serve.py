@@ -44,7 +44,8 @@ def one_by_one(model, reqs):
             for r in reqs]
 
 
-def main(argv=None):
+def parse_checked(argv):
+    """The flags, or None after one error line naming the first one out of range."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--n_requests", type=int, default=64)
@@ -60,27 +61,29 @@ def main(argv=None):
                      ("max_prompt", 8), ("max_new", 8), ("prefix", 1), ("threads", 1)]:
         if getattr(args, name) < lo:
             print(f"error: --{name}: must be an integer >= {lo} (got {getattr(args, name)})", file=sys.stderr)
-            return 2
-    torch.set_num_threads(args.threads)
-    if args.ckpt:
+            return None
+    return args
+
+
+def bench_model(ckpt):
+    """The checkpoint's model (None after one error line), or the default config's with seed-0 weights."""
+    if ckpt:
         from data.tokens import DataError
         from model import ConfigError
         from sample import load_model
         try:
-            model, _ = load_model(args.ckpt)
+            model, _ = load_model(ckpt)
             Engine(model)  # a mixer the engine does not serve: one line, before the timing
         except (ConfigError, DataError, EngineError) as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
-    else:
-        torch.manual_seed(0)
-        model = GPT(load_config(None, []).model).eval()
-    V = model.config.vocab_size
-    kw = dict(max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, block_size=args.block_size)
-    print(f"model: {model.config.pattern} x{model.config.n_layer}, d_model {model.config.d_model}, "
-          f"{model.num_params() / 1e6:.2f}M params; {args.threads} thread(s)")
+            return None
+        return model
+    torch.manual_seed(0)
+    return GPT(load_config(None, []).model).eval()
 
-    reqs = make_requests(args.n_requests, args.max_prompt, args.max_new, V)
+
+def throughput(model, reqs, args, kw):
+    """Time the engine and one-by-one generate on the same requests; print tok/s and agreement. The engine."""
     n_new = sum(r.max_new_tokens for r in reqs)
     t0 = time.perf_counter()
     engine = Engine(model, **kw)
@@ -95,25 +98,26 @@ def main(argv=None):
           f"({t_engine:.1f} s)")
     print(f"one by one (generate):            {n_new / t_single:8.1f} tok/s ({t_single:.1f} s)")
     print(f"speed-up: {t_single / t_engine:.2f}x; greedy outputs equal: {same}/{len(reqs)}")
+    return engine
 
+
+def cache_figures(model, engine, reqs, layers, max_batch):
+    """The paged layers' peak cache against contiguous max-length caches."""
     longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)
     p = model.wte.weight
-    layers = [i for g in engine.groups.values() for i in g.layers]
-    if not layers:
-        print("\nno paged layers (every layer keeps a fixed-size delta-rule state): no cache or prefix-sharing figures")
-        return 0
-    contiguous = sum(model.blocks[i].mixer.new_cache(args.max_batch, longest, p.device, p.dtype).nbytes() for i in layers)
+    contiguous = sum(model.blocks[i].mixer.new_cache(max_batch, longest, p.device, p.dtype).nbytes() for i in layers)
     per = engine.block_bytes()
     paged = sum(g.pool.peak * per[key] for key, g in engine.groups.items())
     slots = engine.peak_cache_bytes() - paged
     print(f"\npeak cache of the paged layers {layers}: {paged / 1e6:.2f} MB in blocks at the peak vs contiguous "
-          f"max-length caches {contiguous / 1e6:.2f} MB ({args.max_batch} x {longest} tokens): {contiguous / paged:.1f}x "
+          f"max-length caches {contiguous / 1e6:.2f} MB ({max_batch} x {longest} tokens): {contiguous / paged:.1f}x "
           f"less; delta-rule state slots (the same either way): {slots / 1e6:.2f} MB")
 
-    if None not in engine.groups:
-        print("\nno global attention layer: prefix sharing (of global layers' blocks) is not measured")
-        return 0
-    prefix = torch.randint(0, V, (args.prefix,), generator=torch.Generator().manual_seed(1)).tolist()
+
+def prefix_sharing(model, prefix_len, kw):
+    """Blocks allocated for 16 requests with a common prefix, with and without sharing it."""
+    V = model.config.vocab_size
+    prefix = torch.randint(0, V, (prefix_len,), generator=torch.Generator().manual_seed(1)).tolist()
     allocs = {}
     for sharing in (True, False):
         g = torch.Generator().manual_seed(2)
@@ -124,9 +128,34 @@ def main(argv=None):
         allocs[sharing] = pool.allocs
         if sharing:
             shares, copies = pool.shares, pool.copies
-    print(f"\nprefix sharing, 16 requests with a common {args.prefix}-token prefix: {allocs[True]} blocks allocated "
+    print(f"\nprefix sharing, 16 requests with a common {prefix_len}-token prefix: {allocs[True]} blocks allocated "
           f"vs {allocs[False]} without; {shares} block references shared, {copies} copied on write; "
           f"{allocs[False] - allocs[True]} blocks saved ({1 - allocs[True] / allocs[False]:.0%})")
+
+
+def main(argv=None):
+    args = parse_checked(argv)
+    if args is None:
+        return 2
+    torch.set_num_threads(args.threads)
+    model = bench_model(args.ckpt)
+    if model is None:
+        return 2
+    kw = dict(max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, block_size=args.block_size)
+    print(f"model: {model.config.pattern} x{model.config.n_layer}, d_model {model.config.d_model}, "
+          f"{model.num_params() / 1e6:.2f}M params; {args.threads} thread(s)")
+    reqs = make_requests(args.n_requests, args.max_prompt, args.max_new, model.config.vocab_size)
+    engine = throughput(model, reqs, args, kw)
+    layers = [i for g in engine.groups.values() for i in g.layers]
+    if not layers:
+        print("\nno paged layers (every layer keeps a fixed-size delta-rule state): no cache or prefix-sharing figures")
+        return 0
+    cache_figures(model, engine, reqs, layers, args.max_batch)
+    if None not in engine.groups:
+        print("\nno global attention layer: prefix sharing (of global layers' blocks) is not measured")
+        return 0
+    prefix_sharing(model, args.prefix, kw)
+    return 0
 
 
 if __name__ == "__main__":

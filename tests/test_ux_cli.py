@@ -3,6 +3,7 @@ ablate's sweep keys, bench scripts, train.init_from): bad input is one `error: .
 before any work, with nothing written or lost."""
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -146,6 +147,10 @@ def test_bench_serve_bad_input_and_a_model_without_paged_layers(tmp_path, capsys
     small = ["--n_requests", "2", "--max_prompt", "8", "--max_new", "8", "--prefix", "8"]
     assert bench_serve.main(["--ckpt", save_ckpt(tmp_path / "kda", raw)] + small) == 0
     assert "no paged layers" in capsys.readouterr().out
+    assert bench_serve.main(["--ckpt", save_ckpt(tmp_path / "global", GLOBAL_RAW), "--max_batch", "2"] + small) == 0
+    out = capsys.readouterr().out
+    assert "greedy outputs equal: 2/2" in out and "peak cache of the paged layers" in out
+    assert re.search(r"prefix sharing, 16 requests with a common 8-token prefix: \d+ blocks allocated", out)
 
 
 # ----------------------------------------------------------------------------------------------
