@@ -83,7 +83,8 @@ def bench_model(ckpt):
 
 
 def throughput(model, reqs, args, kw):
-    """Time the engine and one-by-one generate on the same requests; print tok/s and agreement. The engine."""
+    """Time the engine and one-by-one generate on the same requests, print tok/s and agreement; returns the
+    engine (its pools hold the peak cache figures)."""
     n_new = sum(r.max_new_tokens for r in reqs)
     t0 = time.perf_counter()
     engine = Engine(model, **kw)
