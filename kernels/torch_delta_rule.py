@@ -474,7 +474,7 @@ def linear_attention_torch(q, k, v, *, scale=None, initial_state=None, output_fi
 
     q, k [B,T,H,K]  v [B,T,H,V]  initial_state [B,H,K,V] float32 or None; scale defaults to K ** -0.5
     (pass scale=1.0 for the bare o_t = S_t^T q_t). Returns (o [B,T,H,V], final_state or None).
-    Per chunk: O = q S0 + tril(q k^T) v; the chunk-start states are a cumulative sum of k^T v.
+    Computes in float32 (float64 for float64 inputs), as delta_rule_torch. Per chunk: O = q S0 + tril(q k^T) v; the chunk-start states are a cumulative sum of k^T v.
     Packed documents (cu_seqlens): the masks of delta_rule_torch, and the chunk-start states are
     carried chunk by chunk (a sum that restarts where a document starts).
     """
@@ -487,7 +487,7 @@ def linear_attention_torch(q, k, v, *, scale=None, initial_state=None, output_fi
     qc = _to_chunks(q, T_pad, C) * scale                          # [B,H,N,C,K]
     kc = _to_chunks(k, T_pad, C)                                  # [B,H,N,C,K]
     vc = _to_chunks(v, T_pad, C)                                  # [B,H,N,C,V]
-    S0 = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+    S0 = q.new_zeros(B, H, K, V, dtype=qc.dtype) if initial_state is None else initial_state.to(qc.dtype)
     qk = (qc @ kc.transpose(-1, -2)).tril()                       # [B,H,N,C,C]
     if cu_seqlens is None:
         kv = kc.transpose(-1, -2) @ vc                            # [B,H,N,K,V]: each chunk's total write

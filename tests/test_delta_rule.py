@@ -158,6 +158,27 @@ def test_linear_attention_matches_loop(T):
     assert rel_err(torch.stack(outs, 1), o_ref[:, :len(outs)]) <= TOL
 
 
+@pytest.mark.parametrize("op", ["delta_rule", "linear"])
+@pytest.mark.parametrize("lens", [[130], [3, 41, 13], [3, 70, 57]], ids=["row", "packed_1_chunk", "packed"])
+def test_float64_inputs_compute_in_float64(op, lens):
+    """float64 in, float64 out, equal to the token loop to 1e-12, packed documents too (each document's
+    loop starts from a zero state). Linear attention's packed path once kept a float32 start state, which
+    failed on one chunk."""
+    packed = len(lens) > 1
+    q, k, v, g, beta, _ = [t if t is None else t.double() for t in make_inputs(sum(lens), True, False, b=1)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]) if packed else None
+    if op == "delta_rule":
+        o, _ = delta_rule_torch(q, k, v, g, beta, cu_seqlens=cu)
+        loop = lambda a, b: loop_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], K ** -0.5, None)[0]
+    else:
+        o, _ = linear_attention_torch(q, k, v, cu_seqlens=cu)
+        loop = lambda a, b: loop_linear(q[:, a:b], k[:, a:b], v[:, a:b], K ** -0.5, None)[0]
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    ref = torch.cat([loop(a, b) for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+    assert o.dtype == torch.float64
+    assert rel_err(o, ref) <= 1e-12
+
+
 @pytest.mark.parametrize("per_channel", [True, False], ids=["kda", "gdn"])
 def test_strong_decay_finite(per_channel):
     """log decays of -20 per step on some channels (G reaches -1280 inside a chunk), ~0 on others."""
