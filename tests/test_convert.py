@@ -2,6 +2,7 @@
 go in as project checkpoints and back out; logits agree to 1e-4 relative in fp32 and greedy
 continuations are identical, both ways. Bad input: one line, exit 2, nothing written."""
 import os
+import random
 
 import pytest
 import torch
@@ -62,9 +63,9 @@ HF_CONFIGS = {
 }
 
 
-def tiny_hf_model(name, folder, seed=0):
-    """A random transformers model of config HF_CONFIGS[name], every weight perturbed, saved to folder."""
-    cfg = dict(HF_CONFIGS[name])
+def tiny_hf_model(name, folder, seed=0, cfg=None):
+    """A random transformers model of config HF_CONFIGS[name] (or cfg), every weight perturbed, saved to folder."""
+    cfg = dict(cfg or HF_CONFIGS[name])
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
@@ -126,6 +127,70 @@ def test_from_hf_and_back_matches_transformers(name, tmp_path, no_index_ties):
     with torch.no_grad():
         assert relative_error(back(idx).logits, ref) <= 1e-4
     for k, v in hf.state_dict().items():  # the round trip keeps every weight (to fp32 rounding of 1 + w)
+        torch.testing.assert_close(back.state_dict()[k], v, rtol=0, atol=1e-6)
+
+
+def random_hf_config(seed):
+    """One of HF_CONFIGS with its options drawn: head counts and widths, which layers are linear or full
+    attention, which MLPs are MoE (leading dense layers only: what the project expresses), DSA's top-k and
+    expert groups, the window, a tied or untied head. Every draw must convert."""
+    r = random.Random(seed)
+    name = r.choice(sorted(HF_CONFIGS))
+    cfg = dict(HF_CONFIGS[name], hidden_size=r.choice([32, 48]))
+    family, n = cfg["model_type"], r.choice([2, 3])
+    if family != "kimi_linear":  # kimi_linear's head is always untied in transformers
+        cfg["tie_word_embeddings"] = r.random() < .5
+    if family in ("llama", "qwen3", "gpt_oss"):
+        heads = r.choice([2, 4])  # transformers asks for a divisor of hidden_size here, head_dim or not
+        cfg.update(num_attention_heads=heads, head_dim=r.choice([8, 12, 16]),
+                   num_key_value_heads=r.choice([h for h in (1, 2, 4) if heads % h == 0]))
+    if family == "llama":
+        cfg["attention_bias"] = r.random() < .5
+    if family == "gpt_oss":
+        cfg.update(sliding_window=r.choice([2, 4, 7]), num_local_experts=4, num_experts_per_tok=r.choice([1, 2]))
+    if family == "qwen3_next":
+        key_heads = r.choice([1, 2])
+        cfg.update(num_hidden_layers=n, linear_num_key_heads=key_heads,
+                   linear_num_value_heads=key_heads * r.choice([1, 2, 3]), linear_key_head_dim=r.choice([4, 8]),
+                   linear_value_head_dim=r.choice([4, 6, 8]), linear_conv_kernel_dim=r.choice([2, 4]),
+                   head_dim=r.choice([8, 16]),
+                   num_attention_heads=r.choice([2, 4]), num_key_value_heads=r.choice([1, 2]),
+                   layer_types=[r.choice(["linear_attention", "full_attention"]) for _ in range(n)])
+        if cfg["num_experts"]:
+            cfg.update(mlp_only_layers=list(range(r.choice([0, 1]))), norm_topk_prob=r.random() < .5)
+    if family == "kimi_linear":
+        heads = r.choice([2, 4])
+        cfg.update(num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=heads,
+                   linear_num_heads=r.choice([1, 2, 4]), linear_head_dim=r.choice([4, 8]),
+                   q_lora_rank=r.choice([None, 12]), qk_rope_head_dim=r.choice([2, 4]), v_head_dim=r.choice([6, 8]),
+                   layer_types=[r.choice(["linear_attention", "full_attention"]) for _ in range(n)])
+        dense = r.choice(range(n + 1)) if "num_local_experts" in cfg else n
+        cfg["mlp_layer_types"] = ["dense"] * dense + ["sparse"] * (n - dense)
+    if family == "deepseek_v32":
+        heads = r.choice([2, 4])
+        n_group, topk_group = r.choice([(1, 1), (2, 1), (4, 2)])
+        cfg.update(num_attention_heads=heads, num_key_value_heads=heads, index_topk=r.choice([3, 5, 30]),
+                   first_k_dense_replace=r.choice([0, 1, 3]), n_group=n_group, topk_group=topk_group)
+    return name, cfg
+
+
+@pytest.mark.parametrize("seed", [*range(12), *(pytest.param(s, marks=pytest.mark.slow) for s in range(12, 200))])
+def test_random_hf_configs_convert_both_ways(seed, tmp_path, no_index_ties):
+    """from-hf gives transformers' logits, to-hf gives back every weight and the logits (logits without
+    transformers' cache: its generate fails on a model of linear-attention layers only)."""
+    name, cfg = random_hf_config(seed)
+    hf = tiny_hf_model(name, tmp_path / "hf", seed=seed, cfg=cfg)
+    assert convert.main(["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 0, cfg
+    ours, _ = load_model(str(tmp_path / "ours"))
+    idx = torch.randint(0, V, (2, 21), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ref = hf(idx, use_cache=False).logits
+        assert relative_error(ours(idx)[0], ref) <= 1e-4, cfg
+    assert convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")]) == 0, cfg
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").float().eval()
+    with torch.no_grad():
+        assert relative_error(back(idx, use_cache=False).logits, ref) <= 1e-4, cfg
+    for k, v in hf.state_dict().items():
         torch.testing.assert_close(back.state_dict()[k], v, rtol=0, atol=1e-6)
 
 
