@@ -133,9 +133,9 @@ class TrainConfig:
                 require(0 < value <= 1, f"{path}.stop_at.{key}", "in (0, 1] (an accuracy)", value)
         N = self.context_parallel
         positive(f"{path}.context_parallel", N)
-        require(self.seq_len % (2 * N) == 0, f"{path}.context_parallel",
-                f"N with seq_len={self.seq_len} divisible by 2N (each rank holds two pieces)", N)
         if N > 1:
+            require(self.seq_len % (2 * N) == 0, f"{path}.context_parallel",
+                    f"N with seq_len={self.seq_len} divisible by 2N (each rank holds two pieces)", N)
             from context_parallel import unsupported
             kind = unsupported(model)
             require(kind is None, f"{path}.context_parallel", f"1 with {kind} layers (not supported)", N)

@@ -87,6 +87,13 @@ def test_good_config_and_defaults():
     assert cfg.model.mlp.hidden % 64 == 0 and cfg.train.max_steps > 0
 
 
+def test_any_seq_len_without_context_parallelism():
+    """seq_len must divide into 2N pieces only under context parallelism (an odd seq_len was refused at N = 1)."""
+    assert from_raw(raw(train={"seq_len": 65})).train.seq_len == 65
+    with pytest.raises(ConfigError, match=r"seq_len=66 divisible by 2N"):
+        from_raw(raw(train={"seq_len": 66, "context_parallel": 2}))
+
+
 def test_mla_config_with_dsa():
     cfg = from_raw(raw(model=mla(dsa={"top_k": 16, "stage": "dense_warmup"})))
     a = cfg.model.layers["a"]
