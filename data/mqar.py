@@ -8,16 +8,18 @@ that favours short gaps. The target at a query position is its value; every othe
 import numpy as np
 import torch
 
+from data.tokens import DataError  # a ValueError whose message is one line: train.py reports it so
+
 
 def mqar_batch(batch_size, seq_len, n_pairs, vocab_size, seed, power_a=0.01):
     """-> inputs [B, T], targets [B, T] (-1 where ignored), distances [B, T] (query - key position, 0 elsewhere)."""
     half = vocab_size // 2
     if n_pairs > half - 1 or n_pairs > vocab_size - half:
-        raise ValueError(f"mqar: n_pairs={n_pairs} needs a vocab of at least {2 * n_pairs + 2} (got {vocab_size})")
+        raise DataError(f"mqar: n_pairs={n_pairs} needs a vocab of at least {2 * n_pairs + 2} (got {vocab_size})")
     kv_len = 2 * n_pairs
     space = seq_len - kv_len
     if space < n_pairs:
-        raise ValueError(f"mqar: seq_len={seq_len} is too short for {n_pairs} pairs (need >= {3 * n_pairs})")
+        raise DataError(f"mqar: seq_len={seq_len} is too short for {n_pairs} pairs (need >= {3 * n_pairs})")
     rng = np.random.default_rng(seed)
     p = power_a * np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)  # favours short gaps
     p /= p.sum()
@@ -45,7 +47,7 @@ def mqar_mix_batch(batch_size, seq_len, settings, vocab_size, seed):
     y = torch.full((batch_size, seq_len), -1, dtype=torch.int64)
     for i, (length, n_pairs) in enumerate(settings):
         if length > seq_len:
-            raise ValueError(f"mqar: a mixture length {length} exceeds seq_len={seq_len}")
+            raise DataError(f"mqar: a mixture length {length} exceeds seq_len={seq_len}")
         rows = torch.from_numpy(np.nonzero(pick == i)[0])
         xi, yi, _ = mqar_batch(len(rows), length, n_pairs, vocab_size, rng.integers(2 ** 63))
         x[rows, :length], y[rows, :length] = xi, yi

@@ -25,6 +25,8 @@ import functools
 import numpy as np
 import torch
 
+from data.tokens import DataError  # a ValueError whose message is one line: train.py reports it so
+
 SEP = 1   # palindrome separator
 POP = 1   # stack: the pop operation
 BOS = 0   # backcopy: position 0 of every sequence
@@ -34,7 +36,7 @@ SUCCESSORS = 4  # backcopy: each token is followed by one of 4 fixed successors 
 
 def _vocab_check(task, vocab_size, need):
     if vocab_size < need:
-        raise ValueError(f"{task}: needs a vocab of at least {need} tokens (got {vocab_size})")
+        raise DataError(f"{task}: needs a vocab of at least {need} tokens (got {vocab_size})")
 
 
 def palindrome_batch(batch_size, seq_len, vocab_size, seed):
@@ -42,7 +44,7 @@ def palindrome_batch(batch_size, seq_len, vocab_size, seed):
     (the last one falls off the end of the inputs); targets label positions n .. 2n-1."""
     _vocab_check("palindrome", vocab_size, 3)
     if seq_len < 2:
-        raise ValueError(f"palindrome: seq_len must be >= 2 (got {seq_len})")
+        raise DataError(f"palindrome: seq_len must be >= 2 (got {seq_len})")
     n = seq_len // 2
     rng = np.random.default_rng(seed)
     toks = rng.integers(2, vocab_size, size=(batch_size, n))

@@ -408,3 +408,19 @@ def test_converted_checkpoint_has_no_tokenizer_nor_corpus(tmp_path, text_ckpt, c
     one_error_line(capsys, evals.main(["val", "--ckpt", conv]),
                    r"evals.val: the checkpoint was converted from llama:.*hf and has no corpus to evaluate on")
     assert sample.main(["--ckpt", conv, "--prompt", "ab", "--max_new_tokens", "2", "--tokenizer", "bytes"]) == 0
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["--train.seq_len=16", "--data.n_pairs=8"], r"mqar: seq_len=16 is too short for 8 pairs \(need >= 24\)$"),
+    (["--data.n_pairs=20"], r"mqar: n_pairs=20 needs a vocab of at least 42 \(got 32\)$"),
+    (["--data.mqar_mix=[[64, 4]]"], r"mqar: a mixture length 64 exceeds seq_len=32$"),
+    (["--data.kind=palindrome", "--train.seq_len=1"], r"palindrome: seq_len must be >= 2 \(got 1\)$"),
+    (["--data.kind=backcopy", "--model.vocab_size=8"], r"backcopy: needs a vocab of at least 9 tokens \(got 8\)$")])
+def test_impossible_synthetic_task_settings_are_one_line(tmp_path, capsys, overrides, match):
+    """A setting the task generator cannot make was a traceback (a plain ValueError from data/); now the
+    generators raise DataError, which train.py reports as one line before any work."""
+    import train as train_mod
+    from test_ux import tiny_raw, write_yaml
+    cfg = write_yaml(tmp_path / "c.yaml", tiny_raw(tmp_path / "run"))
+    one_error_line(capsys, train_mod.main([cfg, *overrides]), match)
+    assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
