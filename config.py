@@ -6,6 +6,7 @@ Without a path the overrides apply to the embedded default, configs/default.yaml
 refused while loading with a ConfigError: one line naming the key and what is allowed.
 """
 import copy
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -127,8 +128,8 @@ class TrainConfig:
         require(self.precision in PRECISIONS, f"{path}.precision", f"one of {', '.join(PRECISIONS)}", self.precision)
         for key, value in self.stop_at.items():
             require(key in STOP_METRICS, f"{path}.stop_at.{key}", f"one of {', '.join(STOP_METRICS)}", key)
-            require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{path}.stop_at.{key}",
-                    "a number (the target the eval metric must reach)", value)
+            require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                    f"{path}.stop_at.{key}", "a finite number (the target the eval metric must reach)", value)
             if higher_is_better(key):  # an accuracy above 1 is never reached: the run would never stop early
                 require(0 < value <= 1, f"{path}.stop_at.{key}", "in (0, 1] (an accuracy)", value)
         N = self.context_parallel

@@ -52,6 +52,8 @@ def _coerce(value, typ, path):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: must be a number (got {value!r})")
         value = float(value)
+        if not math.isfinite(value):  # an infinite lr, init_std or rope_theta trains on NaNs
+            raise ConfigError(f"{path}: must be a finite number (got {value!r})")
     elif typ is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: must be a string (got {value!r})")

@@ -1,6 +1,7 @@
 """Config loading: YAML + dotted overrides; every bad config refused with one line naming the key."""
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -85,6 +86,18 @@ def test_good_config_and_defaults():
     attn = cfg.model.layers["a"]
     assert (attn.n_heads, attn.n_kv_heads, attn.head_dim) == (4, 2, 8)
     assert cfg.model.mlp.hidden % 64 == 0 and cfg.train.max_steps > 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--train.lr=inf", "train.lr: must be a finite number (got inf)"),
+    ("--train.lr=nan", "train.lr: must be a finite number (got nan)"),
+    ("--model.init_std=inf", "model.init_std: must be a finite number (got inf)"),
+    ("--model.layers.mla.rope_theta=inf", "model.layers.mla.rope_theta: must be a finite number (got inf)"),
+    ("--train.stop_at={val_loss: .nan}", "train.stop_at.val_loss: must be a finite number")])
+def test_infinite_or_nan_numbers_are_refused(override, message):
+    """An infinite lr or init_std was accepted and trained on NaNs."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
 
 
 def test_any_seq_len_without_context_parallelism():

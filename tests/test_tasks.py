@@ -150,7 +150,7 @@ def test_stop_at_stops_after_the_first_eval_that_reaches_it(tmp_path):
     assert os.path.exists(tmp_path / "b" / "ckpt_30.pt")     # never reached: runs to max_steps
     for stop, message in [({"val_bpb": 1.0}, "train.stop_at.val_bpb: must be a metric data.kind=palindrome"),
                           ({"accuracy": 1.0}, "train.stop_at.accuracy: must be one of val_acc"),
-                          ({"val_acc": "high"}, "train.stop_at.val_acc: must be a number"),
+                          ({"val_acc": "high"}, "train.stop_at.val_acc: must be a finite number"),
                           ({"val_acc": 99}, r"train.stop_at.val_acc: must be in \(0, 1\] \(an accuracy\)")]:
         with pytest.raises(ConfigError, match=message):
             task_config("palindrome", tmp_path, stop_at=stop)
