@@ -2,7 +2,9 @@
 ablate's sweep keys, bench scripts, train.init_from): bad input is one `error: ...` line and exit code 2,
 before any work, with nothing written or lost."""
 import json
+import math
 import os
+import random
 import re
 import sys
 
@@ -424,3 +426,36 @@ def test_impossible_synthetic_task_settings_are_one_line(tmp_path, capsys, overr
     cfg = write_yaml(tmp_path / "c.yaml", tiny_raw(tmp_path / "run"))
     one_error_line(capsys, train_mod.main([cfg, *overrides]), match)
     assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
+
+
+OVERRIDE_DRAWS = [  # good and bad values of train.py's settings
+    ("train.max_steps", ["2", "0", "-1", "x", "1.5"]), ("train.batch_size", ["1", "3", "0"]),
+    ("train.seq_len", ["1", "7", "33", "0"]), ("train.grad_accum", ["1", "2", "0"]),
+    ("train.lr", ["1e-3", "0", "-1", "nan", "inf"]), ("train.warmup_steps", ["0", "5", "-1"]),
+    ("train.eval_interval", ["1", "0"]), ("train.optimizer", ["adamw", "muon", "sgd"]),
+    ("train.precision", ["fp32", "bf16", "fp8"]), ("train.grad_clip", ["0", "1", "-1"]),
+    ("train.min_lr_ratio", ["0", "0.5", "2"]), ("train.stop_at", ["{val_loss: 9}", "{val_acc: 2}", "{foo: 1}", "3"]),
+    ("train.context_parallel", ["1", "2", "0"]), ("model.n_layer", ["1", "0", "2"]),
+    ("model.d_model", ["32", "0", "48"]),
+    ("model.vocab_size", ["10", "0", "64"]), ("model.init_std", ["0", "0.1", "inf"]),
+    ("data.kind", ["mqar", "palindrome", "stack", "backcopy", "nope"]), ("data.n_pairs", ["1", "0", "20"]),
+    ("data.mqar_mix", ["[[16, 2]]", "[[64, 4]]", "[[8]]"])]
+
+
+@pytest.mark.parametrize("seed", [*range(20), *(pytest.param(s, marks=pytest.mark.slow) for s in range(20, 200))])
+def test_random_overrides_train_or_are_one_line(seed, tmp_path, capsys):
+    """Random combinations of good and bad settings: train.py trains to a finite loss (exit 0) or refuses
+    in one `error:` line (exit 2), never a traceback. Such draws found an odd seq_len refused, an infinite lr
+    accepted (it trained on NaNs) and impossible MQAR settings as tracebacks."""
+    import train as train_mod
+    from test_ux import tiny_raw, write_yaml
+    r = random.Random(seed)
+    overrides = [f"--{key}={r.choice(values)}" for key, values in r.sample(OVERRIDE_DRAWS, r.randint(1, 3))]
+    cfg = write_yaml(tmp_path / "c.yaml", tiny_raw(tmp_path / "run", max_steps=2, sample_tokens=0))
+    rc = train_mod.main([cfg, *overrides])
+    if rc == 2:
+        one_error_line(capsys, rc, "", stdout=".*")
+        return
+    assert rc == 0, overrides
+    losses = [row["loss"] for row in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in row]
+    assert losses and all(math.isfinite(x) for x in losses), (overrides, losses)
