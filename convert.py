@@ -305,7 +305,7 @@ def _rope(hf, fraction_key=None):
 def attn_family(mc):
     if any(c.sinks for _, c in _layer_names(mc)) or mc.mlp.kind == "moe" and mc.mlp.expert_act == "swiglu_clamped":
         return "gpt_oss"
-    if any(c.output_gate for _, c in _layer_names(mc)):  # gated attention: Qwen3-Next's, every layer full attention
+    if any(c.output_gate for _, c in _layer_names(mc)):  # gated attention: Qwen3-Next with full attention only
         return "qwen3_next"
     name, c = _one_config(mc, "attn", "llama")
     return "qwen3" if c.qk_norm else "llama"

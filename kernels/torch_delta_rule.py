@@ -474,7 +474,8 @@ def linear_attention_torch(q, k, v, *, scale=None, initial_state=None, output_fi
 
     q, k [B,T,H,K]  v [B,T,H,V]  initial_state [B,H,K,V] float32 or None; scale defaults to K ** -0.5
     (pass scale=1.0 for the bare o_t = S_t^T q_t). Returns (o [B,T,H,V], final_state or None).
-    Computes in float32 (float64 for float64 inputs), as delta_rule_torch. Per chunk: O = q S0 + tril(q k^T) v; the chunk-start states are a cumulative sum of k^T v.
+    Computes in float32 (float64 for float64 inputs), as delta_rule_torch. Per chunk: O = q S0 + tril(q k^T) v;
+    the chunk-start states are a cumulative sum of k^T v.
     Packed documents (cu_seqlens): the masks of delta_rule_torch, and the chunk-start states are
     carried chunk by chunk (a sum that restarts where a document starts).
     """

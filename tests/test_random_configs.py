@@ -74,7 +74,7 @@ def random_mixer(r):
             "share_q_dim": r.choice([6, 12]), "key_reuse": r.random() < .5, "rope": r.random() < .7}
 
 
-def random_config(seed, backend="torch"):
+def random_config(seed):
     r = random.Random(seed)
     layers = {f"m{i}": random_mixer(r) for i in range(r.choice([1, 2]))}
     pattern = [r.choice(list(layers)) for _ in range(r.choice([1, 2]))]
@@ -85,7 +85,7 @@ def random_config(seed, backend="torch"):
                "router": r.choice(["softmax", "sigmoid"])}
         mlp["shared_gate"] = mlp["n_shared"] > 0 and r.random() < .5
     return {"vocab_size": VOCAB, "d_model": 32, "n_layer": len(pattern), "pattern": pattern, "layers": layers,
-            "mlp": mlp, "tie_embeddings": r.random() < .5, "backend": backend}
+            "mlp": mlp, "tie_embeddings": r.random() < .5, "backend": "torch"}
 
 
 def build(cfg):
