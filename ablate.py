@@ -100,8 +100,9 @@ def load_sweep(path):
     """Read and check a sweep file: every variant's config is built and validated before any run."""
     raw = _sweep_mapping(path)
     seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
-        raise SweepError(f"{path}: seeds: must be a non-empty list of integers (got {seeds!r})")
+    ints = isinstance(seeds, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+    if not ints or not seeds or len(set(seeds)) != len(seeds):  # a repeated seed: one run counted twice
+        raise SweepError(f"{path}: seeds: must be a non-empty list of distinct integers (got {seeds!r})")
     lrs = raw.get("lrs")
     if lrs is not None:
         lrs = [_float(x) for x in lrs] if isinstance(lrs, list) else None

@@ -98,6 +98,7 @@ def sweep_file(tmp_path, name, base_raw, **keys):
     ({"evals": {"kv_policies": {"budgets": [2, 8]}}}, r"evals.kv_policies.budgets: must be larger than 4 \(the sink "
                                                      r"tokens of policy streaming; got 2\)"),
     ({"out_dir": "afile/runs"}, r"out_dir: .*afile is a file, not a folder"),
+    ({"seeds": [0, 1, 0]}, r"seeds: must be a non-empty list of distinct integers \(got \[0, 1, 0\]\)"),
 ])
 def test_sweep_is_refused_before_any_run(tmp_path, capsys, monkeypatch, keys, match):
     """Each of these trained every run first, then failed (a traceback, or an eval that never ran)."""
