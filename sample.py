@@ -316,7 +316,9 @@ def serve_file(args, model, encode, decode):
         sys.stdout.writelines(lines)
     n_bad = sum(r.error is not None for r in reqs)
     if n_bad:
-        print(f"error: {n_bad} of {len(reqs)} requests failed (named above); the others completed", file=sys.stderr)
+        rest = "" if n_bad == len(reqs) else "; the others completed"
+        print(f"error: {n_bad} of {len(reqs)} request{'s' * (len(reqs) > 1)} failed (named above){rest}",
+              file=sys.stderr)
     return 2 if n_bad else 0
 
 

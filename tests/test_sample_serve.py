@@ -50,7 +50,10 @@ def test_bad_requests_are_named_and_the_others_complete(ckpt, tmp_path, capsys):
     for n, why in [(2, "not valid JSON"), (3, 'not a JSON object with a string "prompt"'), (4, "empty prompt"),
                    (5, "prompt 4 + max_new_tokens 40 = 44 tokens exceeds the cache (30 tokens) under kv_policy full")]:
         assert f"line {n}: {why}" in err
-    assert "4 of 6 requests failed" in err and "Traceback" not in err
+    assert "4 of 6 requests failed (named above); the others completed" in err and "Traceback" not in err
+    rc, got = run(ckpt, tmp_path, lines[1:3])   # none completes: no "the others completed"
+    assert rc == 2 and got == []
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: 2 of 2 requests failed (named above)"
 
 
 def test_policies_from_the_cli(ckpt, tmp_path, capsys):
