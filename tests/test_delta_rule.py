@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import kernels
 from kernels.torch_delta_rule import (delta_rule_step_torch, delta_rule_torch, linear_attention_step_torch,
                                 linear_attention_torch)
+from tests.test_varlen import cu_of, docs
 
 B, H, K, V = 2, 2, 32, 48
 TOL = 1e-4
@@ -164,17 +165,15 @@ def test_float64_inputs_compute_in_float64(op, lens):
     """float64 in, float64 out, equal to the token loop to 1e-12, packed documents too (each document's
     loop starts from a zero state). Linear attention's packed path once kept a float32 start state, which
     failed on one chunk."""
-    packed = len(lens) > 1
     q, k, v, g, beta, _ = [t if t is None else t.double() for t in make_inputs(sum(lens), True, False, b=1)]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]) if packed else None
+    cu = cu_of(lens) if len(lens) > 1 else None
     if op == "delta_rule":
         o, _ = delta_rule_torch(q, k, v, g, beta, cu_seqlens=cu)
         loop = lambda a, b: loop_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], K ** -0.5, None)[0]
     else:
         o, _ = linear_attention_torch(q, k, v, cu_seqlens=cu)
         loop = lambda a, b: loop_linear(q[:, a:b], k[:, a:b], v[:, a:b], K ** -0.5, None)[0]
-    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
-    ref = torch.cat([loop(a, b) for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+    ref = torch.cat([loop(a, b) for a, b in docs(lens)], dim=1)
     assert o.dtype == torch.float64
     assert rel_err(o, ref) <= 1e-12
 

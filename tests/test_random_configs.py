@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from engine import Engine, Request
-from model import GPT, MIXERS, NSA, ModelConfig
+from model import MIXERS, NSA
 from tests.test_engine import check_contract
-from tests.test_model import check_step_equals_forward
+from tests.test_model import check_step_equals_forward, make_model
 from tests.test_varlen import check_model_packed_equals_separate, cu_of, objective
 
 VOCAB = 37
@@ -89,15 +89,17 @@ def random_config(seed):
 
 
 def build(cfg):
-    torch.manual_seed(0)
-    model = GPT(ModelConfig.from_dict(cfg))
+    """The model of random_config's dict, built as tests/test_model.py's make_model builds (seed 0, sinks
+    drawn); NSA layers get larger weights, as in tests/test_nsa_mfa.py, so the selection's softmaxes are not
+    flat (flat ones tie blocks to rounding, and step and forward may pick either: top-k's discontinuity)."""
+    model = make_model(cfg["layers"], cfg["pattern"], n_layer=cfg["n_layer"], d_model=cfg["d_model"],
+                       vocab=cfg["vocab_size"], mlp=cfg["mlp"], tie_embeddings=cfg["tie_embeddings"],
+                       backend=cfg["backend"])
     with torch.no_grad():
         for m in model.modules():
-            if getattr(m, "sinks", None) is not None:  # sinks start at 0; make them matter
-                m.sinks.normal_()
-            if isinstance(m, NSA):  # as tests/test_nsa_mfa.py: larger weights, so the selection's softmaxes
-                for p in m.parameters():  # are not flat (flat ones tie blocks to rounding, and step and
-                    p.normal_(0, 0.3)     # forward may pick either: top-k's discontinuity, not an error)
+            if isinstance(m, NSA):
+                for p in m.parameters():
+                    p.normal_(0, 0.3)
     return model
 
 
