@@ -606,6 +606,8 @@ class Run:
                   f"{self.device.type}{par}, optimizer {tc.optimizer}"
                   + (f", resumed at step {self.step}" if self.step else ""))
             print_cache_bytes(cfg.model, next(self.module.parameters()).element_size())
+            for note in getattr(self.data, "notes", ()):  # text shards too short for a batch
+                print(note)
         self.log = open_metrics(tc.out_dir, self.step if resume else None) if pg.main else None
 
     def setup_counters(self):

@@ -6,6 +6,7 @@ data.pack (packed documents, x and y [1, B*T]), evaluate(model), state_dict() / 
 (the loader position, stored in checkpoints).
 """
 import math
+import os
 import re
 
 import torch
@@ -29,9 +30,12 @@ class TextData:
                             f"{model_vocab}; set model.vocab_size >= {vocab}")
         self.Loader = PackedLoader if pack else (lambda *a: TokenLoader(*a, bos=bos))
         self.loader = self.Loader(self.train, batch_size, seq_len, rank, world)
+        val_loader = self.Loader(self.val, batch_size, seq_len, rank, world)  # refuse a too-short val split now
         self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world
-        # bits per byte = nats/token / ln 2 * tokens/byte, from the val shards' headers
-        n_tok, n_bytes = sum(s.n_tokens for s in self.val), sum(s.n_text_bytes for s in self.val)
+        self.notes = [_skipped_note(name, loader.skipped, len(shards), loader.need) for name, loader, shards
+                      in (("train", self.loader, self.train), ("val", val_loader, self.val)) if loader.skipped]
+        # bits per byte = nats/token / ln 2 * tokens/byte, from the headers of the val shards evaluated
+        n_tok, n_bytes = (sum(getattr(s, n) for s in val_loader.shards) for n in ("n_tokens", "n_text_bytes"))
         self.tokens_per_byte = n_tok / n_bytes if n_bytes else 1.0
 
     def next_batch(self):
@@ -53,6 +57,13 @@ class TextData:
             losses.append(model(x.to(device), y.to(device), **kw)[1].item())
         val_loss = sum(losses) / len(losses)
         return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2) * self.tokens_per_byte}
+
+
+def _skipped_note(split, skipped, n_shards, need):
+    """One line naming the shards of `split` a loader skips as shorter than one global batch."""
+    names = ", ".join(os.path.basename(s.path) for s in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+    return (f"data: skipping {len(skipped)} of {n_shards} {split} shards, shorter than one global batch of "
+            f"{need:,} tokens ({names}: {sum(s.n_tokens for s in skipped):,} tokens in all)")
 
 
 def synthetic_batches(d, vocab, seq_len, train=False):

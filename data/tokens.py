@@ -134,6 +134,12 @@ def open_split(folder, split):
     return shards
 
 
+def _split_of(shard):
+    """'train' or 'val' (the prefix of a shard's file name), or 'token' for a file named otherwise."""
+    name = os.path.basename(shard.path)
+    return next((split for split in ("train", "val") if name.startswith(split + "_")), "token")
+
+
 def with_bos(x, bos):
     """x [B, n] -> [B, n + 1] with `bos` in column 0."""
     return torch.cat([torch.full_like(x[:, :1], bos), x], dim=1)
@@ -157,11 +163,18 @@ class TokenLoader:
         if bos and any(s.eot_id < 0 for s in shards):
             raise DataError(f"{shards[0].path}: data.bos starts rows with the end-of-text token and this token "
                             f"file has none; prepare the corpus with one or set data.bos: false")
-        need = world * batch_size * (seq_len + 1) + 1
-        for s in shards:
-            if s.n_tokens < need:
-                raise DataError(f"{s.path}: {s.n_tokens} tokens, fewer than one global batch needs ({need}); "
-                                f"lower batch_size or seq_len")
+        self.need = need = world * batch_size * (seq_len + 1) + 1
+        # a shard shorter than one global batch (the tail of a corpus, a shard closed before a long document)
+        # cannot be cut into lanes: it is skipped (`skipped`, which train.py reports), unless all are
+        self.skipped = [s for s in shards if s.n_tokens < need]
+        self.shards = [s for s in shards if s.n_tokens >= need]
+        if not self.shards:
+            largest = max(shards, key=lambda s: s.n_tokens)
+            raise DataError(f"{os.path.dirname(largest.path)}: no {_split_of(largest)} shard holds one global batch "
+                            f"({need:,} tokens = train.batch_size x (seq_len + 1) + 1; the largest, "
+                            f"{os.path.basename(largest.path)}, has {largest.n_tokens:,}); lower batch_size or "
+                            f"seq_len, or prepare the corpus with more tokens per shard (data/prepare.py "
+                            f"--shard_tokens, --val_tokens)")
         self.shard, self.offset = 0, 0
 
     def state_dict(self):

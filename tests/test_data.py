@@ -103,8 +103,41 @@ def test_token_ids_outside_the_vocabulary(tmp_path):
 
 def test_too_little_data_for_a_batch(tmp_path):
     write_corpus(str(tmp_path / "c"), n=100)
-    with pytest.raises(DataError, match="fewer than one global batch"):
+    with pytest.raises(DataError, match=r"no train shard holds one global batch \(521 tokens = .*the largest, "
+                                        r"train_000.bin, has 100\)"):
         TextData(str(tmp_path / "c"), 100, 8, 64)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_shards_shorter_than_a_batch_are_skipped_and_named(tmp_path, pack):
+    """A shard too short to cut into lanes (a corpus's tail, or a shard data/prepare.py closed before a long
+    document) is skipped with a note, not a refusal of the whole corpus; only the shards used count for bpb,
+    and a resumed loader continues on the same tokens. A val split that holds no batch is refused at once,
+    before any training step."""
+    folder = str(tmp_path / "c")
+    os.makedirs(folder)
+    rng = np.random.default_rng(0)
+    for name, n in [("train_000", 40), ("train_001", 3000), ("train_002", 100), ("train_003", 2000),
+                    ("val_000", 30), ("val_001", 1000)]:
+        write_tokens(os.path.join(folder, name + ".bin"), rng.integers(0, 100, n), 100, n * (2 if n < 200 else 3),
+                     eot_id=99)                                     # id 99 ends documents (for data.pack)
+    data = TextData(folder, 100, 2, 64, pack=pack)                 # one batch: 2 x 65 + 1 = 131 tokens
+    assert [os.path.basename(s.path) for s in data.loader.shards] == ["train_001.bin", "train_003.bin"]
+    assert data.notes == ["data: skipping 2 of 4 train shards, shorter than one global batch of 131 tokens "
+                          "(train_000.bin, train_002.bin: 140 tokens in all)",
+                          "data: skipping 1 of 2 val shards, shorter than one global batch of 131 tokens "
+                          "(val_000.bin: 30 tokens in all)"]
+    assert data.tokens_per_byte == pytest.approx(1 / 3)             # val_001 alone: 1,000 tokens of 3,000 bytes
+    batches = [data.next_batch() for _ in range(30)]                # runs through both shards and wraps around
+    state = data.state_dict()
+    assert {b[0].shape for b in batches} == {(1, 128) if pack else (2, 64)}
+    more = data.next_batch()
+    again = TextData(folder, 100, 2, 64, pack=pack)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(again.next_batch(), more))
+    os.remove(os.path.join(folder, "val_001.bin"))
+    with pytest.raises(DataError, match=r"no val shard holds one global batch \(131 tokens"):
+        TextData(folder, 100, 2, 64, pack=pack)
 
 
 def test_bin_dataset_from_config(tmp_path):

@@ -392,3 +392,21 @@ def test_prepare_cli_on_local_files(tmp_path):
                         str(tmp_path / "nothing" / "*.txt"), "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no files match" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_prepared_corpus_with_a_short_last_shard_trains(tmp_path, capsys):
+    """A corpus's last train shard (its tail) is usually shorter than the rest, often shorter than one
+    global batch: training skips it and says so, instead of refusing the corpus."""
+    write_docs(tmp_path / "corpus")
+    pattern = str(tmp_path / "corpus" / "**" / "*.txt")
+    m = prepare(file_docs(pattern), str(tmp_path / "out"), local_encoding(), {"files": pattern}, shard_tokens=1000,
+                val_tokens=300, workers=1, quiet=True)
+    last = m["shards"][-1]
+    raw = raw_config(tmp_path / "run", max_steps=3, batch_size=2, eval_interval=3)
+    raw["model"]["vocab_size"] = 257
+    raw["data"] = {"kind": "bin", "dir": str(tmp_path / "out")}
+    raw["train"]["seq_len"] = (last["tokens"] - 1) // 2                # the last shard holds no batch of 2 rows
+    train(from_raw(raw))
+    out = capsys.readouterr().out
+    assert f"data: skipping 1 of {len(m['shards']) - 1} train shards" in out and last["file"] in out
+    assert "step 3: val_loss" in out
