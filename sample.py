@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+import kernels
 from config import from_raw
 from data.tokens import DataError
 from model import GPT, ConfigError
@@ -36,6 +37,11 @@ def load_model(path, device="cpu"):
     ckpt = load_checkpoint(path)
     cfg = from_raw(ckpt["config"])
     cfg.converted_from = ckpt.get("converted_from")  # convert.py from-hf: no corpus, data.kind a placeholder
+    device = torch.device(device)
+    if not kernels.runs_on(cfg.model.backend, device):  # trained on a GPU with backend: triton, read here
+        print(f"note: {path} was trained with model.backend triton, which needs CUDA; running on {device.type} with "
+              f"the torch kernels (the same function)", file=sys.stderr)
+        cfg.model.backend = None
     model = GPT(cfg.model)
     try:
         model.load_state_dict(ckpt["model"])

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import cost
+import kernels
 from config import check_world, from_raw, load_config, reaches, split_args
 from data import SYNTHETIC_KINDS, make_dataset
 from data.tokens import DataError, atomic_write
@@ -533,6 +534,10 @@ class Run:
         """self.module (the GPT), self.fwd (what the loop calls: compiled / DDP / FSDP) and the optimizers."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
         tc, pg, device = self.tc, self.pg, self.device
+        if not kernels.runs_on(self.cfg.model.backend, device):
+            raise ConfigError(f"model.backend: triton runs on a CUDA device (or under TRITON_INTERPRET=1, Triton's slow "
+                              f"interpreter); this run is on {device.type}: set model.backend to null (auto: triton on "
+                              f"CUDA, torch elsewhere) or torch")
         torch.manual_seed(tc.seed)  # same init on every rank
         module = GPT(self.cfg.model).to(device)
         self.n_params = module.num_params()

@@ -289,7 +289,7 @@ def main(argv=None):
                            batch_docs=a.batch_docs)
         if not any(sh["file"].startswith("train") for sh in manifest["shards"]):
             raise DataError(f"{a.out}: no train shard, every document went to val (the first documents, whole, up "
-                            f"to --val_tokens {a.val_tokens:g}; one file is one document): training cannot use it; "
+                            f"to --val_tokens {int(a.val_tokens):,}; one file is one document): training cannot use it; "
                             f"prepare into a new --out with a smaller --val_tokens or more documents")
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -14,11 +14,19 @@ int32 [n_docs + 1] = (0, end of every document, N) with B == 1 and the documents
 time. A document boundary resets the causal range (attention) or the state (delta rule, linear
 attention), also inside a chunk or a tile: the kernels mask by document, nothing is padded.
 """
+import os
+
 import torch
 # NB: the torch paths live in torch_*.py: a submodule named like an op (kernels/attention.py)
 # would shadow the op function of the same name once imported.
 
 BACKENDS = ("torch", "triton")
+
+
+def runs_on(backend, device):
+    """Whether `backend` can run on `device` (a torch.device): the Triton kernels need a CUDA device, or
+    Triton's interpreter (TRITON_INTERPRET=1, what the tests use) on the CPU."""
+    return backend != "triton" or device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _pick(backend, x):

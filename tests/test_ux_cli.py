@@ -233,7 +233,7 @@ def test_prepare_a_corpus_without_train_shard_is_an_error(tmp_path, capsys, monk
     errors = [line for line in err.splitlines() if line.strip() and not line.startswith("tokenise")]  # tqdm
     assert rc == 2 and re.fullmatch(r"c: 601 tokens \(601 val\) .*\n", out), out
     assert len(errors) == 1 and re.match(r"error: c: no train shard, every document went to val \(the first "
-                                         r"documents, whole, up to --val_tokens 1e\+06; one file is one document\)",
+                                         r"documents, whole, up to --val_tokens 1,000,000; one file is one document\)",
                                          errors[0]), err
     (tmp_path / "b.txt").write_text("bye\n" * 50)
     assert prepare_mod.main(["--files", "*.txt", "--tokenizer", "bytes", "--out", "d", "--workers", "1",
@@ -460,3 +460,27 @@ def test_random_overrides_train_or_are_one_line(seed, tmp_path, capsys):
     assert rc == 0, overrides
     losses = [row["loss"] for row in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in row]
     assert losses and all(math.isfinite(x) for x in losses), (overrides, losses)
+
+
+def test_triton_backend_off_cuda(tmp_path, capsys, monkeypatch):
+    """`model.backend: triton` off CUDA without Triton's interpreter was a traceback from inside Triton ("0
+    active drivers"): train.py refuses it in one line before any work; a checkpoint trained that way (on a GPU)
+    is read on the CPU by sample.py and evals.py with the torch kernels, with a note."""
+    import evals
+    import train as train_mod
+    from test_ux import tiny_raw, write_yaml
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = write_yaml(tmp_path / "c.yaml", tiny_raw(tmp_path / "run"))
+    one_error_line(capsys, train_mod.main([cfg, "--model.backend=triton"]),
+                   r"model.backend: triton runs on a CUDA device \(or under TRITON_INTERPRET=1.*this run is on cpu")
+    assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
+    raw = {**GLOBAL_RAW, "model": {**GLOBAL_RAW["model"], "backend": "triton"}}
+    ckpt = save_ckpt(tmp_path / "gpu_run", raw)
+    model, cfg = sample.load_model(ckpt)
+    assert cfg.model.backend is None and all(getattr(b.mixer, "backend", None) is None for b in model.blocks)
+    note = f"note: {ckpt}/ckpt_1.pt was trained with model.backend triton, which needs CUDA; running on cpu"
+    assert capsys.readouterr().err.startswith(note)
+    assert sample.main(["--ckpt", ckpt, "--prompt", "ab", "--max_new_tokens", "2"]) == 0
+    assert evals.main(["val", "--ckpt", ckpt, "--n_batches", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count(note) == 2 and "Traceback" not in err and "val_loss" in out
