@@ -241,14 +241,23 @@ def file_docs(pattern):
 
 
 def hub_docs(dataset, name, split, text_field):
-    """Texts streamed from a Hugging Face dataset (no full download)."""
+    """Texts streamed from a Hugging Face dataset (no full download). The hub's failures (no network, a
+    dataset, config or split that does not exist, a stream cut mid-way) are one DataError line; the shards
+    finished before a failure stay, and the same command continues after them."""
     from datasets import load_dataset
-    ds = load_dataset(dataset, name, split=split, streaming=True)
-    for row in ds:
-        if text_field not in row:
-            raise DataError(f"{dataset}: rows have no field {text_field!r} (fields: {', '.join(row)}); "
-                            f"pass --text_field")
-        yield row[text_field]
+    try:
+        for row in load_dataset(dataset, name, split=split, streaming=True):
+            if text_field not in row:
+                raise DataError(f"{dataset}: rows have no field {text_field!r} (fields: {', '.join(row)}); "
+                                f"pass --text_field")
+            yield row[text_field]
+    except DataError:
+        raise
+    except Exception as e:  # datasets / huggingface_hub / requests errors: their message names the cause
+        why = (str(e).strip().splitlines() or [""])[0][:300]
+        raise DataError(f"--dataset {dataset}" + (f" --name {name}" if name else "") + f" --split {split}: "
+                        f"reading it failed ({type(e).__name__}: {why}); check the names and the network "
+                        f"(rerunning the same command continues after the shards already written)") from None
 
 
 def main(argv=None):

@@ -484,3 +484,40 @@ def test_triton_backend_off_cuda(tmp_path, capsys, monkeypatch):
     assert evals.main(["val", "--ckpt", ckpt, "--n_batches", "1"]) == 0
     out, err = capsys.readouterr()
     assert err.count(note) == 2 and "Traceback" not in err and "val_loss" in out
+
+
+def test_prepare_hub_failures_are_one_line_and_keep_the_shards_written(tmp_path, capsys, monkeypatch):
+    """`--dataset` without network (or a name the hub does not have) was a traceback from datasets; a
+    stream cut mid-way too. Now one line, exit 2, and the shards finished before the cut stay: the same
+    command continues after them."""
+    import datasets
+    from data import prepare as prepare_mod
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'x/y' on the Hub (LocalEntryNotFoundError)")
+    def one_line(rc, match):  # tqdm's bar lines start with "tokenise"
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.strip() and not line.startswith("tokenise")]
+        assert rc == 2 and len(errors) == 1 and re.search(match, errors[0]), err
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    argv = ["--dataset", "x/y", "--tokenizer", "bytes", "--out", str(tmp_path / "c"), "--workers", "1",
+            "--val_tokens", "100", "--shard_tokens", "300", "--batch_docs", "1"]
+    one_line(prepare_mod.main(argv), r"^error: --dataset x/y --split train: reading it failed "
+                   r"\(ConnectionError: Couldn't reach 'x/y' on the Hub \(LocalEntryNotFoundError\)\); check")
+
+    def cut_after(n):
+        def stream(*a, **k):
+            for i in range(n):
+                yield {"text": f"document {i} " * 10}
+            raise OSError("Connection reset by peer\nmore lines")
+        return stream
+    monkeypatch.setattr(datasets, "load_dataset", cut_after(30))
+    one_line(prepare_mod.main(argv), r"reading it failed \(OSError: Connection reset by peer\); check")
+    with open(tmp_path / "c" / "manifest.json") as f:
+        done = json.load(f)
+    assert not done["complete"] and len(done["shards"]) >= 3 and 0 < done["docs_done"] < 30
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: iter({"text": f"document {i} " * 10}
+                                                                      for i in range(30)))
+    assert prepare_mod.main(argv) == 0
+    with open(tmp_path / "c" / "manifest.json") as f:
+        assert json.load(f)["complete"]
