@@ -793,6 +793,9 @@ def read_hf(folder):
     from safetensors.torch import load_file
     from transformers import AutoConfig
     path = os.path.join(folder, "config.json")
+    refuse(os.path.exists(folder), f"{folder}: no such folder; from-hf reads a local transformers model folder "
+                                   f"(a hub model: download it first, e.g. huggingface-cli download {folder} "
+                                   f"--local-dir hf/model, then pass hf/model)")
     refuse(os.path.isfile(path), f"{folder}: no config.json (not a transformers model folder)")
     try:
         with open(path) as f:

@@ -505,6 +505,19 @@ def test_cli_bad_input_is_one_line_exit_2_and_nothing_written(case, tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_from_hf_of_a_hub_name_says_to_download_it(tmp_path, capsys, monkeypatch):
+    """from-hf reads a local folder; a hub id (no such folder here) said "no config.json", now how to get it."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(["from-hf", "org/Model-1B", "--out", "out"], capsys)
+    assert code == 2 and err == "error: org/Model-1B: no such folder; from-hf reads a local transformers model folder " \
+        "(a hub model: download it first, e.g. huggingface-cli download org/Model-1B --local-dir hf/model, then pass " \
+        "hf/model)", err
+    os.makedirs("empty")
+    code, err = run_cli(["from-hf", "empty", "--out", "out"], capsys)
+    assert code == 2 and err == "error: empty: no config.json (not a transformers model folder)", err
+    assert not os.path.exists("out")
+
+
 def test_quantized_folder_is_refused(tmp_path, capsys):
     """The hub's gpt-oss keeps its experts in MXFP4 (quantization_config); only plain weights convert."""
     tiny_hf_model("gpt_oss", tmp_path / "hf")
