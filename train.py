@@ -613,6 +613,9 @@ class Run:
             print_cache_bytes(cfg.model, next(self.module.parameters()).element_size())
             for note in getattr(self.data, "notes", ()):  # text shards too short for a batch
                 print(note)
+            if tc.compile:  # the bar stays at its first step meanwhile
+                print(f"compile: torch.compile on {self.device.type}; the first step (and the first eval) compile the "
+                      f"model first, which takes seconds to minutes (up to about 10 minutes a model on 2 CPU cores)")
         self.log = open_metrics(tc.out_dir, self.step if resume else None) if pg.main else None
 
     def setup_counters(self):

@@ -45,6 +45,17 @@ def test_eval_line_lists_a_mixtures_settings_by_length(tmp_path, capsys):
     assert names == order and list(read_metrics(tmp_path)[-1])[1:] == order
 
 
+def test_compile_says_the_first_step_compiles(tmp_path, capsys, monkeypatch):
+    """With train.compile the bar sat at its first step for minutes on a CPU with nothing said; now a line
+    says why before it starts (torch.compile stubbed out here: what is tested is the line)."""
+    monkeypatch.setattr(torch, "compile", lambda module: module)
+    train(mqar_config(tmp_path, max_steps=1, compile=True))
+    out = capsys.readouterr().out
+    assert "compile: torch.compile on cpu; the first step (and the first eval) compile the model first" in out
+    train(mqar_config(tmp_path / "eager", max_steps=1))
+    assert "compile:" not in capsys.readouterr().out
+
+
 def test_resume_continues_step_count_and_optimizer(tmp_path):
     full = tmp_path / "full"
     train(mqar_config(full, max_steps=60), quiet=True)
