@@ -570,7 +570,7 @@ def best_lr(sweep, rs, metric):
     def score(group):
         group = [r for r in group if r["seed"] in common] or group
         vals = [r["final"].get(name) for r in group]
-        if any(v is None for v in vals):  # diverged or never evaluated
+        if any(v is None or not math.isfinite(v) for v in vals):  # diverged, never evaluated, or a NaN / inf eval
             return (-math.inf, 0)
         m = mean(vals)
         return (m if higher else -m, -mean([r["final"].get("step", 0) for r in group]))

@@ -182,6 +182,11 @@ def test_best_lr_is_the_best_mean_over_seeds():
     lr, group = ablate.best_lr({}, rs, metric)
     assert lr == 1e-4 and len(group) == 2                       # a tie at 1.0 goes to the faster one
     assert ablate.best_lr({}, [res(1e-3, 0.2), res(1e-2, 0, diverged=True)], ("val_loss", False))[0] == 1e-3
+    # a run that finished with a NaN or infinite eval (its training loss stayed finite) loses too: the mean of
+    # the rest of its lr's seeds (0.9 here) used to win
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        rs = [res(1e-3, 0.5), res(1e-3, 0.5, seed=1), res(1e-2, 0.9), res(1e-2, bad, seed=1)]
+        assert ablate.best_lr({}, rs, metric)[0] == 1e-3
     assert ablate.mean_pm([1.0, 0.5]) == "0.75 ± 0.35" and ablate.mean_pm([None]) == "–"
     # lrs that finished different seeds compare on the seeds they share: seed 0 picks 1e-3 (0.9 > 0.8),
     # though 1e-2's mean over its seeds 0 and 2 (0.825) beats 1e-3's over 0 and 1 (0.7); the pick keeps all its seeds
