@@ -764,6 +764,9 @@ def main(argv=None):
     except (ConfigError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(result, indent=1))
     else:

@@ -200,6 +200,10 @@ def stream_samples(args, model, prompt, decode):
         print(f"\nerror: {e} (prompt {len(prompt)} tokens, --max_new_tokens {args.max_new_tokens}, "
               f"--cache_len {args.cache_len})", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: stop generating, keep what was printed
+        out.write("\n")
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -300,17 +304,23 @@ def serve_file(args, model, encode, decode):
         return 2
     bad = [r for r in reqs if r.error is not None]
     bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr, disable=None)
+    finished = set()                                              # id() of the requests the engine finished
 
     def done(r):
         bar.update(1)
+        finished.add(id(r))
         if r.error is not None:
             tqdm.write(f"error: {r.rid}: {r.error}", file=sys.stderr)
     for r in bad:
         done(r)
-    engine.run([r for r in reqs if r.error is None], on_done=done)
+    try:
+        engine.run([r for r in reqs if r.error is None], on_done=done)
+        interrupted = False
+    except KeyboardInterrupt:  # Ctrl-C: the finished requests' completions are still written
+        interrupted = True
     bar.close()
     lines = [json.dumps({**obj, "completion": decode(r.out)}, ensure_ascii=False) + "\n"
-             for r, obj in zip(reqs, objs) if r.error is None]
+             for r, obj in zip(reqs, objs) if r.error is None and id(r) in finished]
     if args.output:
         try:
             atomic_write(args.output, lambda f: f.writelines(lines), mode="w")
@@ -320,6 +330,10 @@ def serve_file(args, model, encode, decode):
         print(f"wrote {len(lines)} completions to {args.output}", file=sys.stderr)
     else:
         sys.stdout.writelines(lines)
+    if interrupted:
+        print(f"interrupted: {len(lines)} of {len(reqs)} requests had finished and were written; the others were "
+              f"not served", file=sys.stderr)
+        return 130
     n_bad = sum(r.error is not None for r in reqs)
     if n_bad:
         rest = "" if n_bad == len(reqs) else "; the others completed"

@@ -521,3 +521,36 @@ def test_prepare_hub_failures_are_one_line_and_keep_the_shards_written(tmp_path,
     assert prepare_mod.main(argv) == 0
     with open(tmp_path / "c" / "manifest.json") as f:
         assert json.load(f)["complete"]
+
+
+def test_ctrl_c_in_sample_and_evals_keeps_what_was_done(tmp_path, text_ckpt, capsys, monkeypatch):
+    """Ctrl-C was a KeyboardInterrupt traceback, and under --prompts_file every completion was lost (they are
+    written at the end). Now: exit 130 and one line; the requests that had finished are written."""
+    import engine
+    import evals
+    from model import GPT
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["ab", "cd", "ef", "gh"]))
+    run = engine.Engine.run
+
+    def cut_after_two(self, requests, on_done=None):         # serves two requests, then Ctrl-C
+        run(self, requests[:2], on_done)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(engine.Engine, "run", cut_after_two)
+    rc = sample.main(["--ckpt", text_ckpt, "--prompts_file", str(prompts), "--output", str(tmp_path / "o.jsonl"),
+                      "--max_new_tokens", "3"])
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("requests")]
+    assert rc == 130 and err == ["wrote 2 completions to " + str(tmp_path / "o.jsonl"),
+                                 "interrupted: 2 of 4 requests had finished and were written; the others were not "
+                                 "served"], err
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["ab", "cd"] and all(len(r["completion"]) for r in rows)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(GPT, "step", interrupted)
+    assert sample.main(["--ckpt", text_ckpt, "--prompt", "ab", "--max_new_tokens", "3"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    monkeypatch.setattr(evals, "run_eval", interrupted)
+    assert evals.main(["val", "--ckpt", text_ckpt]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
