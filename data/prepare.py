@@ -303,6 +303,10 @@ def main(argv=None):
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: the shards finished in {a.out} are kept; the same command continues after them",
+              file=sys.stderr)
+        return 130
     return 0
 
 

@@ -488,8 +488,8 @@ def test_triton_backend_off_cuda(tmp_path, capsys, monkeypatch):
 
 def test_prepare_hub_failures_are_one_line_and_keep_the_shards_written(tmp_path, capsys, monkeypatch):
     """`--dataset` without network (or a name the hub does not have) was a traceback from datasets; a
-    stream cut mid-way too. Now one line, exit 2, and the shards finished before the cut stay: the same
-    command continues after them."""
+    stream cut mid-way too, and Ctrl-C. Now one line, exit 2 (130 for Ctrl-C), and the shards finished
+    before the cut stay: the same command continues after them."""
     import datasets
     from data import prepare as prepare_mod
 
@@ -516,6 +516,15 @@ def test_prepare_hub_failures_are_one_line_and_keep_the_shards_written(tmp_path,
     with open(tmp_path / "c" / "manifest.json") as f:
         done = json.load(f)
     assert not done["complete"] and len(done["shards"]) >= 3 and 0 < done["docs_done"] < 30
+    def ctrl_c_after(n):
+        def stream(*a, **k):
+            yield from ({"text": f"document {i} " * 10} for i in range(n))
+            raise KeyboardInterrupt
+        return stream
+    monkeypatch.setattr(datasets, "load_dataset", ctrl_c_after(20))   # Ctrl-C: one line too, exit 130
+    assert prepare_mod.main(argv) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (f"interrupted: the shards finished in {tmp_path / 'c'} are "
+                                                        f"kept; the same command continues after them")
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: iter({"text": f"document {i} " * 10}
                                                                       for i in range(30)))
     assert prepare_mod.main(argv) == 0
