@@ -875,6 +875,9 @@ def main(argv=None):
     except (ConvertError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the output is written to a temporary name and renamed into place at the end
+        print(f"interrupted: nothing was written to {args.out}", file=sys.stderr)
+        return 130
     print(f"wrote {args.out} ({family})")
     return 0
 

@@ -505,6 +505,29 @@ def test_cli_bad_input_is_one_line_exit_2_and_nothing_written(case, tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_ctrl_c_while_converting_leaves_nothing_behind(tmp_path, capsys, monkeypatch):
+    """Ctrl-C was a traceback; now one line, exit 130, nothing in --out and no temporary left, and the same
+    command then succeeds."""
+    import safetensors.torch
+    import data.tokens
+    our_checkpoint(tmp_path / "run", OUR_CONFIGS["llama"])
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+    for argv, module, name in [
+            (["to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")], safetensors.torch, "save_file"),
+            (["from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")], data.tokens, "atomic_write")]:
+        before = sorted(p.name for p in tmp_path.iterdir())
+        with monkeypatch.context() as m:
+            m.setattr(module, name, ctrl_c)
+            code, err = run_cli(argv, capsys)
+        assert code == 130 and err == f"interrupted: nothing was written to {argv[-1]}", err
+        out = argv[-1]
+        assert not os.path.exists(out) or not os.listdir(out)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name != os.path.basename(out)) == before
+        assert convert.main(argv) == 0
+
+
 def test_from_hf_of_a_hub_name_says_to_download_it(tmp_path, capsys, monkeypatch):
     """from-hf reads a local folder; a hub id (no such folder here) said "no config.json", now how to get it."""
     monkeypatch.chdir(tmp_path)
