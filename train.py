@@ -702,8 +702,14 @@ class Run:
 
     def write(self, row):
         if self.log is not None:
-            self.log.write(json.dumps(row) + "\n")
-            self.log.flush()
+            try:
+                self.log.write(json.dumps(row) + "\n")
+                self.log.flush()
+            except OSError as e:  # disk full, a folder that went away: one line, the checkpoints stay
+                last = latest_checkpoint(self.tc.out_dir)
+                raise DataError(f"{self.log.name}: could not be written ({e.strerror or e}) at step {self.step}; "
+                                + (f"the last checkpoint, {os.path.basename(last)}, is intact (free space, then "
+                                   f"--resume)" if last else "no checkpoint was saved yet")) from None
 
     def log_train(self, bar):
         """A metrics.jsonl row with the mean loss and throughput since the last one; the bar's postfix."""

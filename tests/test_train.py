@@ -155,3 +155,32 @@ def test_compile_refused_where_torch_would_get_the_delta_rule_gradients_wrong(mo
         refuse_compile_on_old_torch(kda, cpu)
     refuse_compile_on_old_torch(kda, cuda)                        # the triton path
     refuse_compile_on_old_torch(attn, cpu)
+
+
+def test_metrics_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys):
+    """A full disk while appending to metrics.jsonl was an OSError traceback from the training loop; now one
+    line naming the file and the checkpoint to resume from (exit 2)."""
+    import train as train_mod
+    real_open = train_mod.open_metrics
+
+    class Full:
+        def __init__(self, f, rows):
+            self.f, self.rows, self.name = f, rows, f.name
+
+        def write(self, text):
+            self.rows -= 1
+            if self.rows < 0:
+                raise OSError(28, "No space left on device")
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+    monkeypatch.setattr(train_mod, "open_metrics", lambda *a: Full(real_open(*a), 4))
+    cfg = tmp_path / "c.yaml"
+    import yaml
+    raw = mqar_config(tmp_path / "run", max_steps=20, log_interval=1, ckpt_interval=2).raw
+    cfg.write_text(yaml.safe_dump(raw))
+    assert train_mod.main([str(cfg)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("train:")]
+    assert err == [f"error: {tmp_path / 'run' / 'metrics.jsonl'}: could not be written (No space left on device) at "
+                   f"step 5; the last checkpoint, ckpt_4.pt, is intact (free space, then --resume)"], err
