@@ -174,12 +174,32 @@ def apply_override(raw, arg):
     node[parts[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: YAML keeps the last, so the settings of
+    the first (a second `model:` section, a repeated `lr:`) were lost without a word. Merge keys (<<) may
+    still be overridden, as YAML intends."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node)
+                if key in first:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice in one mapping (first at line {first[key] + 1}); "
+                        f"YAML would keep only the last", key_node.start_mark)
+                first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path):
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: config file not found")
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f)
+            raw = yaml.load(f, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -190,6 +210,9 @@ def read_yaml(path):
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read the config ({e})") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must be a mapping of sections (key: value lines) at the top, got a "
+                          f"{type(raw).__name__}")
     return raw if raw is not None else {}
 
 

@@ -159,3 +159,20 @@ def test_yaml_errors_are_one_line(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(str(bad))
+
+
+def test_a_key_given_twice_and_a_top_level_that_is_not_a_mapping_are_refused(tmp_path):
+    """YAML keeps the last of two equal keys: a second `model:` section replaced the first without a word
+    (its d_model was lost). A top level that is a list was a traceback. Merge keys may still be overridden."""
+    cases = [("model:\n  d_model: 64\nmodel:\n  n_layer: 2\n",
+              r"not valid YAML at line 3, column 1: key 'model' appears twice in one mapping \(first at line 1\)"),
+             ("train:\n  lr: 1.0e-3\n  max_steps: 2\n  lr: 3.0e-3\n",
+              r"at line 4, column 3: key 'lr' appears twice in one mapping \(first at line 2\); YAML would keep only"),
+             ("- model\n", r"must be a mapping of sections \(key: value lines\) at the top, got a list")]
+    for text, match in cases:
+        (tmp_path / "c.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            load_config(str(tmp_path / "c.yaml"))
+    (tmp_path / "c.yaml").write_text("model:\n  <<: &base {d_model: 64, n_layer: 2}\n  d_model: 32\n")
+    cfg = load_config(str(tmp_path / "c.yaml"))
+    assert (cfg.model.d_model, cfg.model.n_layer) == (32, 2)
