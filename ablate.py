@@ -31,7 +31,8 @@ A sweep file (YAML):
     decode_ctx: 256                      # context at which decode ms/token is measured (CPU)
 
 Each run trains into <out_dir>/<variant>-s<seed>/ (with lrs: <variant>-lr<lr>-s<seed>/) and ends
-with result.json, written atomically. A variant with `after: <an earlier variant>` is a curriculum
+with result.json, written atomically. The sweep sets train.out_dir and train.seed (and train.lr under lrs,
+train.init_from in a stage) itself: an override of one of them is refused, not ignored. A variant with `after: <an earlier variant>` is a curriculum
 stage: each of its runs starts from the weights of that variant's run with the same seed (and lr), as
 a fresh run (train.init_from: step 0, new optimizer and schedule), and waits for that run to finish;
 a stage whose earlier run has no result (not run, stopped, diverged) is reported and not started.
@@ -87,12 +88,20 @@ class SweepStopped(Exception):
 # the sweep file
 
 
+# settings the sweep sets for each run itself (after every override)
+SWEEP_OWNED = {"train.out_dir": "each run's folder is <out_dir>/<variant>-s<seed> (the sweep's out_dir, or --out_dir)",
+               "train.seed": "the sweep's seeds set each run's seed (seeds: [...])"}
+
+
 def _norm_override(o, where):
     if not isinstance(o, str):
         raise SweepError(f"{where}: overrides are strings like --model.n_layer=4 (got {o!r})")
     o = o if o.startswith("--") else "--" + o
     if "=" not in o or "." not in o.split("=", 1)[0]:
         raise SweepError(f"{where}: bad override {o!r}; overrides look like --section.key=value")
+    owner = SWEEP_OWNED.get(o[2:].split("=", 1)[0])
+    if owner:  # applied after the overrides, so the override would be ignored without a word
+        raise SweepError(f"{where}: {o!r}: {owner}; drop this override")
     return o
 
 
@@ -136,6 +145,14 @@ def load_sweep(path):
         if isinstance(ovs, dict) and "lr_of" in ovs:
             ovs = _lr_point(path, name, ovs, sweep)
         sweep["variants"][name] = _variant_overrides(path, name, ovs)
+        lr_set = [o for o in sweep["common"] + sweep["variants"][name] if o.startswith("--train.lr=")]
+        if lrs and lr_set:  # the grid's lr is applied last: this one would be ignored
+            raise SweepError(f"{path}: variants.{name}: {lr_set[0]!r}: the sweep's lrs grid sets each run's lr; "
+                             f"drop this override or the grid")
+        init = [o for o in sweep["common"] + sweep["variants"][name] if o.startswith("--train.init_from=")]
+        if name in sweep["after"] and init:  # a stage starts from its earlier stage's run: this would be ignored
+            raise SweepError(f"{path}: variants.{name}: {init[0]!r}: a stage (after: ...) starts from its earlier "
+                             f"stage's weights; drop this override")
         try:
             cfg = config_for(sweep, name, seeds[0], sweep["lrs"][0])
             for ev, opts in evs.items():  # an eval the variant's data can never run (mqar on text, ...)

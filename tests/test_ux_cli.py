@@ -99,6 +99,14 @@ def sweep_file(tmp_path, name, base_raw, **keys):
                                                      r"tokens of policy streaming; got 2\)"),
     ({"out_dir": "afile/runs"}, r"out_dir: .*afile is a file, not a folder"),
     ({"seeds": [0, 1, 0]}, r"seeds: must be a non-empty list of distinct integers \(got \[0, 1, 0\]\)"),
+    # settings the sweep sets for each run after the overrides: the override was ignored without a word
+    ({"variants": {"a": {"train.out_dir": "elsewhere"}}}, r"variants.a: '--train.out_dir=\"elsewhere\"': each "
+                                                          r"run's folder is <out_dir>/<variant>-s<seed>"),
+    ({"overrides": {"train.seed": 3}}, r"overrides: '--train.seed=3': the sweep's seeds set each run's seed"),
+    ({"lrs": [1e-3, 3e-3], "variants": {"a": {"train.lr": 0.01}}}, r"variants.a: '--train.lr=0.01': the sweep's lrs "
+                                                                   r"grid sets each run's lr"),
+    ({"variants": {"a": {}, "b": {"after": "a", "train.init_from": "x"}}}, r"variants.b: '--train.init_from=\"x\"': "
+                                                                           r"a stage \(after: ...\) starts from"),
 ])
 def test_sweep_is_refused_before_any_run(tmp_path, capsys, monkeypatch, keys, match):
     """Each of these trained every run first, then failed (a traceback, or an eval that never ran)."""
