@@ -574,6 +574,7 @@ class Run:
         """Optimizer state, data positions, RNG states and counters from a checkpoint."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         tc, pg = self.tc, self.pg
+        self.check_settings_match(ckpt, path)
         try:
             set_optimizer_state_dict(self.module, self.optimizers, ckpt["optimizer"],
                                      options=StateDictOptions(full_state_dict=True))
@@ -585,14 +586,39 @@ class Run:
                 group["base_lr"] = tc.muon_lr if isinstance(opt, torch.optim.Muon) else tc.lr
         same_world = (ckpt.get("world_size") == pg.world
                       and ckpt.get("context_parallel", 1) == self.tc.context_parallel)
-        self.data.load_state_dict(ckpt["data_per_rank"][pg.rank] if same_world and "data_per_rank" in ckpt
-                                  else ckpt["data"])
+        try:
+            self.data.load_state_dict(ckpt["data_per_rank"][pg.rank] if same_world and "data_per_rank" in ckpt
+                                      else ckpt["data"])
+        except (KeyError, TypeError, ValueError) as e:  # DataError (a ValueError) names the problem itself
+            if isinstance(e, DataError):
+                raise
+            raise DataError(f"{path}: the saved data position does not fit this run's data ({type(e).__name__}: "
+                            f"{e}); resume with the data settings the run was trained with") from None
         rngs = ckpt.get("rng")
         if isinstance(rngs, list) and rngs:
             set_rng_state(rngs[pg.rank] if same_world else rngs[0])
         elif torch.is_tensor(rngs):  # version 1 checkpoints
             torch.set_rng_state(rngs)
         self.step, self.tokens_seen, self.skipped = ckpt["step"], ckpt.get("tokens", 0), ckpt.get("skipped_steps", 0)
+
+    def check_settings_match(self, ckpt, path):
+        """A resumed run continues on its own data: another data.kind is refused (its loader position means
+        nothing here). Other changed train / data settings are allowed (a longer max_steps, another lr) and
+        listed, as the model's are."""
+        from dataclasses import asdict
+        try:
+            saved = from_raw(ckpt["config"])
+        except ConfigError:  # check_model_matches has named it
+            return
+        if saved.data.kind != self.cfg.data.kind:
+            raise DataError(f"{path}: the run trained on data.kind={saved.data.kind} and this config has data.kind="
+                            f"{self.cfg.data.kind}; resume it on its own data, or start a new run from its weights "
+                            f"(--train.init_from={path})")
+        a, b = ({**_flatten(asdict(c.train), "train."), **_flatten(asdict(c.data), "data.")} for c in (saved, self.cfg))
+        diffs = [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                 if a.get(k) != b.get(k) and k not in ("train.out_dir", "train.device")]
+        if diffs and self.pg.main and not self.quiet:
+            print(f"note: resuming with changed settings: {'; '.join(diffs)}")
 
     def setup_out_dir(self, resume):
         """out_dir made (rank 0), stale temporary files removed, the start-up report, metrics.jsonl opened."""

@@ -212,6 +212,23 @@ def test_mismatched_config_and_missing_checkpoint_are_refused(tmp_path):
         train(from_raw(raw_config(tmp_path / "empty")), resume=True, quiet=True)
 
 
+def test_resume_on_other_data_is_refused_and_changed_settings_are_listed(tmp_path, capsys):
+    """Resuming with another data.kind was a KeyError traceback from the loader's position; now one line before
+    any work. Other changed settings (a longer run, another lr) resume and are listed."""
+    train(from_raw(raw_config(tmp_path, ckpt_interval=5)), quiet=True)
+    other = raw_config(tmp_path, max_steps=10)
+    other["data"] = {"kind": "palindrome"}
+    rows = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(DataError, match=r"ckpt_5.pt: the run trained on data.kind=mqar and this config has "
+                                        r"data.kind=palindrome; resume it on its own data, or start a new run"):
+        train(from_raw(other), resume=True)
+    assert (tmp_path / "metrics.jsonl").read_text() == rows
+    capsys.readouterr()
+    train(from_raw(raw_config(tmp_path, max_steps=7, lr=1e-3, ckpt_interval=5)), resume=True)
+    assert "note: resuming with changed settings: train.lr 0.003 -> 0.001; train.max_steps 5 -> 7" in \
+        capsys.readouterr().out
+
+
 def test_missing_shard_and_changed_corpus(tmp_path):
     for i in (0, 2):
         write_tokens(tmp_path / f"train_{i:03d}.bin", np.arange(500) % 50, 50, 500)
