@@ -849,6 +849,10 @@ def main(argv=None):
         if not args.report:
             check_writable(sweep["out_dir"], "--out_dir" if args.out_dir else f"{args.sweep}: out_dir", "folder")
             os.makedirs(sweep["out_dir"], exist_ok=True)
+            busy = args.jobs * sweep["threads"]
+            if busy > (os.cpu_count() or 1):  # threads that spin for cores slow every run far more than their share
+                print(f"note: --jobs {args.jobs} x threads {sweep['threads']} = {busy} torch threads on "
+                      f"{os.cpu_count()} cores: the runs will slow each other down; use at most that many", flush=True)
             run_sweep(sweep, log=lambda m: print(m, flush=True), only=only, jobs=args.jobs, seeds=seeds)
         path = write_report(sweep)
     except (SweepError, ConfigError, DataError) as e:

@@ -571,3 +571,17 @@ def test_ctrl_c_in_sample_and_evals_keeps_what_was_done(tmp_path, text_ckpt, cap
     monkeypatch.setattr(evals, "run_eval", interrupted)
     assert evals.main(["val", "--ckpt", text_ckpt]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_sweep_with_more_threads_than_cores_says_so(tmp_path, capsys, monkeypatch):
+    """Threads that wait for a core spin: two 2-thread runs on 2 cores each go far slower than half speed.
+    ablate.py now says so when --jobs x threads exceeds the cores (and runs as asked)."""
+    import ablate
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(ablate, "run_sweep", lambda *a, **k: None)
+    path = sweep_file(tmp_path, "s.yaml", GLOBAL_RAW, threads=2)
+    assert ablate.main([path, "--jobs", "2"]) == 0
+    assert ("note: --jobs 2 x threads 2 = 4 torch threads on 2 cores: the runs will slow each other down; use at "
+            "most that many") in capsys.readouterr().out
+    assert ablate.main([path, "--jobs", "1"]) == 0
+    assert "note:" not in capsys.readouterr().out
