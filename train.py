@@ -3,7 +3,7 @@
     python train.py                                   # the embedded default (configs/default.yaml)
     python train.py configs/kimi_linear.yaml --train.max_steps=200 --model.n_layer=4
     python train.py configs/x.yaml --resume           # continue from the latest checkpoint in out_dir
-    python train.py configs/x.yaml --resume=path/to/ckpt.pt
+    python train.py configs/x.yaml --resume=path/to/ckpt.pt   # or a run folder: its latest checkpoint
     python train.py configs/x.yaml --overwrite        # start over in an out_dir holding another run
     torchrun --standalone --nproc_per_node=8 train.py configs/x.yaml [--train.parallel=fsdp]
 
@@ -511,14 +511,15 @@ class Run:
         if not resume:
             return None, None
         pg, tc = self.pg, self.tc
-        path = (latest_checkpoint(tc.out_dir) if resume is True else resume) if pg.main else None
+        folder = tc.out_dir if resume is True else resume if os.path.isdir(resume) else None  # a run folder: its latest
+        path = (latest_checkpoint(folder) if folder else resume) if pg.main else None
         path = pg.broadcast(path)
         if path is None:
-            raise DataError(f"{tc.out_dir}: no checkpoint to resume from (ckpt_*.pt)")
+            raise DataError(f"{folder}: no checkpoint to resume from (ckpt_*.pt)")
         try:
             ckpt = load_checkpoint(path)
         except DataError as e:
-            intact = earlier_intact_checkpoint(tc.out_dir, path) if resume is True else None
+            intact = earlier_intact_checkpoint(folder, path) if folder else None
             if intact is None:
                 raise
             raise DataError(f"{e}; the earlier {intact} is intact: resume from it with --resume={intact} "

@@ -229,6 +229,17 @@ def test_resume_on_other_data_is_refused_and_changed_settings_are_listed(tmp_pat
         capsys.readouterr().out
 
 
+def test_resume_from_another_run_folder_takes_its_latest_checkpoint(tmp_path, capsys):
+    """--resume=FOLDER said "checkpoint not found" for a run folder full of checkpoints; it now takes the
+    folder's latest, as --train.init_from and sample.py's --ckpt do."""
+    train(from_raw(raw_config(tmp_path / "a", ckpt_interval=2, max_steps=4)), quiet=True)
+    train(from_raw(raw_config(tmp_path / "b", max_steps=6)), resume=str(tmp_path / "a"))
+    assert "resumed at step 4" in capsys.readouterr().out and losses(tmp_path / "b").keys() == {5, 6}
+    with pytest.raises(DataError, match=r"empty: no checkpoint to resume from \(ckpt_\*.pt\)"):
+        os.makedirs(tmp_path / "empty")
+        train(from_raw(raw_config(tmp_path / "c")), resume=str(tmp_path / "empty"))
+
+
 def test_missing_shard_and_changed_corpus(tmp_path):
     for i in (0, 2):
         write_tokens(tmp_path / f"train_{i:03d}.bin", np.arange(500) % 50, 50, 500)
