@@ -249,7 +249,12 @@ class Engine:
         self.generator = torch.Generator(device=model.wte.weight.device).manual_seed(seed)
         self.policy = None
         if kv_policy != "full":
-            from kv_policies import make_policy
+            from kv_policies import applies_to, make_policy
+            if not any(applies_to(b.mixer) for b in model.blocks):  # the policy would change nothing
+                kinds = ", ".join(dict.fromkeys(getattr(b.mixer.cfg, "kind", "?") for b in model.blocks))
+                raise EngineError(f"kv_policy {kv_policy}: this model has no global attention layer (attn without a "
+                                  f"window, dense mla) for it to apply to (its layers: {kinds}); its caches are "
+                                  f"already bounded or selected: serve it with kv_policy full")
             try:
                 self.policy = make_policy(kv_policy, kv_budget, self)
             except ValueError as e:

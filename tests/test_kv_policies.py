@@ -67,6 +67,17 @@ def test_bad_budget():
         Engine(model, kv_policy="lru")
 
 
+def test_a_policy_on_a_model_it_cannot_apply_to_is_refused():
+    """A model without a global attention layer (windowed attention, KDA, DSA's MLA) has nothing for a KV policy
+    to evict or select: `--kv_policy snapkv` was accepted and changed nothing."""
+    model = make_model({"w": KINDS["attn_window"], "kda": KINDS["kda"]}, pattern=["w", "kda"], n_layer=2)
+    for policy in POLICIES:
+        with pytest.raises(EngineError, match=rf"kv_policy {policy}: this model has no global attention layer "
+                                              r"\(attn without a window, dense mla\) .*\(its layers: attn, kda\)"):
+            Engine(model, kv_policy=policy, kv_budget=8)
+    assert Engine(model).run(requests([(5, 3)]))[0].error is None        # kv_policy full serves it
+
+
 def test_selection_errors_vanish_when_everything_is_read():
     import evals
     g = torch.Generator().manual_seed(0)
