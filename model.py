@@ -236,7 +236,11 @@ class MLPConfig:
         if self.hidden is None:
             self.hidden = default
         positive(f"{path}.hidden", self.hidden)
-        if self.kind != "moe":
+        if self.kind != "moe":  # a MoE setting on a dense MLP would be ignored (n_experts without kind: moe)
+            for f in fields(self):
+                if f.name not in ("kind", "hidden") and getattr(self, f.name) != f.default:
+                    require(False, f"{path}.{f.name}", f"left out: it is a MoE setting and {path}.kind is "
+                            f"{self.kind} (set {path}.kind: moe)", getattr(self, f.name))
             return
         positive(f"{path}.n_experts", self.n_experts)
         require(1 <= self.top_k <= self.n_experts, f"{path}.top_k", f"in [1, n_experts={self.n_experts}]", self.top_k)
@@ -262,6 +266,12 @@ class MLPConfig:
         require(self.bias_update_rate >= 0, f"{path}.bias_update_rate", ">= 0", self.bias_update_rate)
         _one_of(f"{path}.expert_act", self.expert_act, EXPERT_ACTS)
         require(self.swiglu_limit > 0, f"{path}.swiglu_limit", "> 0", self.swiglu_limit)
+        for name, used, when in [("bias_update_rate", self.router == "sigmoid", "router: sigmoid"),
+                                 ("swiglu_alpha", self.expert_act == "swiglu_clamped", "expert_act: swiglu_clamped"),
+                                 ("swiglu_limit", self.expert_act == "swiglu_clamped", "expert_act: swiglu_clamped")]:
+            value, default = getattr(self, name), next(f.default for f in fields(self) if f.name == name)
+            require(used or value == default, f"{path}.{name}", f"left at its default without {when} (it is "
+                    f"used only there)", value)
 
     def is_moe(self, layer):
         return self.kind == "moe" and layer >= self.first_k_dense

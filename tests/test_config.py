@@ -69,6 +69,13 @@ BAD = [  # (config dict, what the one-line error must name)
     (raw(data={"kind": "imagenet"}), "data.kind: must be one of stdlib, bin, mqar"),
     (raw(data={"kind": "bin"}), "data.dir: must be a folder of prepared shards"),
     ({**raw(), "optim": {}}, "optim: must be a section"),
+    # a MoE setting on a dense MLP (kind swiglu) or one its router / expert_act does not use was ignored
+    (raw(model={"mlp": {"n_experts": 16}}), "model.mlp.n_experts: must be left out: it is a MoE setting and "
+                                            "model.mlp.kind is swiglu (set model.mlp.kind: moe) (got 16)"),
+    (raw(model={"mlp": {"kind": "moe", "bias_update_rate": 0.01}}),
+     "model.mlp.bias_update_rate: must be left at its default without router: sigmoid"),
+    (raw(model={"mlp": {"kind": "moe", "swiglu_limit": 5.0}}),
+     "model.mlp.swiglu_limit: must be left at its default without expert_act: swiglu_clamped"),
 ]
 
 
