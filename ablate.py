@@ -63,7 +63,7 @@ import time
 
 import cost
 import evals
-from config import ROOT, STOP_METRICS, apply_override, from_raw, higher_is_better, read_yaml
+from config import ROOT, STOP_METRICS, apply_override, from_raw, higher_is_better, read_yaml, refuse_unused
 from data.tokens import DataError, atomic_write, check_writable, write_json
 from model import ConfigError
 from plot import loss_curves, read_metrics  # noqa: F401  (read_metrics: ablate.read_metrics)
@@ -296,7 +296,7 @@ def config_for(sweep, variant, seed, lr=None):
         apply_override(raw, f"--train.init_from={run_dir(sweep, sweep['after'][variant], seed, lr)}")
     apply_override(raw, f"--train.seed={seed}")
     apply_override(raw, f"--train.out_dir={run_dir(sweep, variant, seed, lr)}")
-    return from_raw(raw)
+    return refuse_unused(from_raw(raw))
 
 
 def run_dir(sweep, variant, seed, lr=None):

@@ -70,6 +70,15 @@ class DataConfig:
             require(4 <= self.mqar_vocab <= model.vocab_size, f"{path}.mqar_vocab",
                     f"between 4 and model.vocab_size={model.vocab_size}", self.mqar_vocab)
 
+    def refuse_unused(self, path):
+        """Refuse a setting of the generated tasks that this kind would ignore (see refuse_unused)."""
+        require(self.kind == "mqar" or self.n_pairs == DataConfig.n_pairs, f"{path}.n_pairs",
+                f"left at {DataConfig.n_pairs} for {self.kind} (it sets mqar's pairs)", self.n_pairs)
+        require(self.kind == "mqar" or not self.mqar_mix, f"{path}.mqar_mix", f"empty for {self.kind} (a mixture of "
+                f"mqar settings)", self.mqar_mix)
+        require(self.kind in SYNTHETIC_KINDS or self.mqar_vocab is None, f"{path}.mqar_vocab",
+                f"null for {self.kind} (the tokens of the generated tasks)", self.mqar_vocab)
+
 
 @dataclass
 class TrainConfig:
@@ -235,11 +244,23 @@ def from_raw(raw):
     return Config(model, data, train, copy.deepcopy(raw))
 
 
+def refuse_unused(cfg):
+    """Refuse settings a config gives that its choices would ignore (a MoE key on a dense MLP, mqar's n_pairs
+    on a text corpus): run where a config is about to train (load_config, train.train, ablate). A checkpoint's
+    saved config is not checked: its model is what it is."""
+    cfg.model.mlp.refuse_unused("model.mlp")
+    cfg.data.refuse_unused("data")
+    require(cfg.train.optimizer == "muon" or cfg.train.muon_lr == TrainConfig.muon_lr, "train.muon_lr",
+            f"left at {TrainConfig.muon_lr} with optimizer {cfg.train.optimizer} (it is Muon's lr; set "
+            f"train.optimizer: muon)", cfg.train.muon_lr)
+    return cfg
+
+
 def load_config(path=None, overrides=()):
     raw = read_yaml(path or DEFAULT_CONFIG)
     for arg in overrides:
         apply_override(raw, arg)
-    return from_raw(raw)
+    return refuse_unused(from_raw(raw))
 
 
 def split_args(argv):

@@ -236,11 +236,7 @@ class MLPConfig:
         if self.hidden is None:
             self.hidden = default
         positive(f"{path}.hidden", self.hidden)
-        if self.kind != "moe":  # a MoE setting on a dense MLP would be ignored (n_experts without kind: moe)
-            for f in fields(self):
-                if f.name not in ("kind", "hidden") and getattr(self, f.name) != f.default:
-                    require(False, f"{path}.{f.name}", f"left out: it is a MoE setting and {path}.kind is "
-                            f"{self.kind} (set {path}.kind: moe)", getattr(self, f.name))
+        if self.kind != "moe":
             return
         positive(f"{path}.n_experts", self.n_experts)
         require(1 <= self.top_k <= self.n_experts, f"{path}.top_k", f"in [1, n_experts={self.n_experts}]", self.top_k)
@@ -266,12 +262,22 @@ class MLPConfig:
         require(self.bias_update_rate >= 0, f"{path}.bias_update_rate", ">= 0", self.bias_update_rate)
         _one_of(f"{path}.expert_act", self.expert_act, EXPERT_ACTS)
         require(self.swiglu_limit > 0, f"{path}.swiglu_limit", "> 0", self.swiglu_limit)
-        for name, used, when in [("bias_update_rate", self.router == "sigmoid", "router: sigmoid"),
-                                 ("swiglu_alpha", self.expert_act == "swiglu_clamped", "expert_act: swiglu_clamped"),
-                                 ("swiglu_limit", self.expert_act == "swiglu_clamped", "expert_act: swiglu_clamped")]:
-            value, default = getattr(self, name), next(f.default for f in fields(self) if f.name == name)
-            require(used or value == default, f"{path}.{name}", f"left at its default without {when} (it is "
-                    f"used only there)", value)
+
+    def refuse_unused(self, path):
+        """Refuse a setting this MLP would ignore: a MoE key on a dense MLP (n_experts without kind: moe),
+        bias_update_rate without the sigmoid router, swiglu_alpha / swiglu_limit without swiglu_clamped.
+        For configs about to train (config.refuse_unused), not for those saved in checkpoints."""
+        moe = self.kind == "moe"
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("kind", "hidden") or value == f.default:
+                continue
+            require(moe, f"{path}.{f.name}", f"left out: it is a MoE setting and {path}.kind is {self.kind} (set "
+                    f"{path}.kind: moe)", value)
+            key, needed = {"bias_update_rate": ("router", "sigmoid"), "swiglu_alpha": ("expert_act", "swiglu_clamped"),
+                           "swiglu_limit": ("expert_act", "swiglu_clamped")}.get(f.name, (None, None))
+            require(key is None or getattr(self, key) == needed, f"{path}.{f.name}", f"left at its default without "
+                    f"{key}: {needed} (it is used only there)", value)
 
     def is_moe(self, layer):
         return self.kind == "moe" and layer >= self.first_k_dense

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 import cost
 import kernels
-from config import check_world, from_raw, load_config, reaches, split_args
+from config import check_world, from_raw, load_config, reaches, refuse_unused, split_args
 from data import SYNTHETIC_KINDS, make_dataset
 from data.tokens import DataError, atomic_write
 from model import GPT, ConfigError
@@ -378,6 +378,7 @@ def train(cfg, resume=None, quiet=False, stop_at=None, overwrite=False):
     interrupted: the schedule still runs to max_steps). A fresh run (no resume) into an out_dir that
     holds checkpoints is refused unless overwrite (which deletes them). Under torchrun every rank
     calls this."""
+    refuse_unused(cfg)
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)

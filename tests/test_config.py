@@ -1,5 +1,6 @@
 """Config loading: YAML + dotted overrides; every bad config refused with one line naming the key."""
 import glob
+import json
 import os
 import re
 import subprocess
@@ -69,14 +70,36 @@ BAD = [  # (config dict, what the one-line error must name)
     (raw(data={"kind": "imagenet"}), "data.kind: must be one of stdlib, bin, mqar"),
     (raw(data={"kind": "bin"}), "data.dir: must be a folder of prepared shards"),
     ({**raw(), "optim": {}}, "optim: must be a section"),
-    # a MoE setting on a dense MLP (kind swiglu) or one its router / expert_act does not use was ignored
+]
+
+UNUSED = [  # settings the rest of the config would ignore: a dense model trained where a MoE was asked for
     (raw(model={"mlp": {"n_experts": 16}}), "model.mlp.n_experts: must be left out: it is a MoE setting and "
                                             "model.mlp.kind is swiglu (set model.mlp.kind: moe) (got 16)"),
     (raw(model={"mlp": {"kind": "moe", "bias_update_rate": 0.01}}),
      "model.mlp.bias_update_rate: must be left at its default without router: sigmoid"),
     (raw(model={"mlp": {"kind": "moe", "swiglu_limit": 5.0}}),
      "model.mlp.swiglu_limit: must be left at its default without expert_act: swiglu_clamped"),
+    (raw(data={"kind": "stdlib", "n_pairs": 16}), "data.n_pairs: must be left at 8 for stdlib (it sets mqar's pairs)"),
+    (raw(data={"kind": "palindrome", "mqar_mix": [[16, 2]]}), "data.mqar_mix: must be empty for palindrome"),
+    (raw(data={"kind": "stdlib", "mqar_vocab": 16}), "data.mqar_vocab: must be null for stdlib"),
+    (raw(train={"muon_lr": 0.05}), "train.muon_lr: must be left at 0.02 with optimizer adamw (it is Muon's lr"),
 ]
+
+
+@pytest.mark.parametrize("cfg,message", UNUSED, ids=[m.split(":")[0] for _, m in UNUSED])
+def test_a_setting_the_config_would_ignore_is_refused_before_training(cfg, message, tmp_path):
+    """They were accepted and ignored. Refused where a config is about to train (load_config, train.train,
+    ablate); a checkpoint's saved config that holds one still loads (from_raw), so old runs stay usable."""
+    from config import refuse_unused
+    from train import train
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        refuse_unused(from_raw(cfg))
+    (tmp_path / "c.yaml").write_text(json.dumps(cfg))                 # JSON is YAML
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(str(tmp_path / "c.yaml"))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(from_raw(cfg))
+
 
 
 @pytest.mark.parametrize("cfg,message", BAD, ids=[m.split(":")[0] for _, m in BAD])

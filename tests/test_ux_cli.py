@@ -425,8 +425,9 @@ def test_converted_checkpoint_has_no_tokenizer_nor_corpus(tmp_path, text_ckpt, c
     (["--train.seq_len=16", "--data.n_pairs=8"], r"mqar: seq_len=16 is too short for 8 pairs \(need >= 24\)$"),
     (["--data.n_pairs=20"], r"mqar: n_pairs=20 needs a vocab of at least 42 \(got 32\)$"),
     (["--data.mqar_mix=[[64, 4]]"], r"mqar: a mixture length 64 exceeds seq_len=32$"),
-    (["--data.kind=palindrome", "--train.seq_len=1"], r"palindrome: seq_len must be >= 2 \(got 1\)$"),
-    (["--data.kind=backcopy", "--model.vocab_size=8"], r"backcopy: needs a vocab of at least 9 tokens \(got 8\)$")])
+    (["--data.kind=palindrome", "--data.n_pairs=8", "--train.seq_len=1"], r"palindrome: seq_len must be >= 2 \(got 1\)$"),
+    (["--data.kind=backcopy", "--data.n_pairs=8", "--model.vocab_size=8"],
+     r"backcopy: needs a vocab of at least 9 tokens \(got 8\)$")])
 def test_impossible_synthetic_task_settings_are_one_line(tmp_path, capsys, overrides, match):
     """A setting the task generator cannot make was a traceback (a plain ValueError from data/); now the
     generators raise DataError, which train.py reports as one line before any work."""
