@@ -32,9 +32,10 @@ A sweep file (YAML):
 
 Each run trains into <out_dir>/<variant>-s<seed>/ (with lrs: <variant>-lr<lr>-s<seed>/) and ends
 with result.json, written atomically. The sweep sets train.out_dir and train.seed (and train.lr under lrs,
-train.init_from in a stage) itself: an override of one of them is refused, not ignored. A variant with `after: <an earlier variant>` is a curriculum
-stage: each of its runs starts from the weights of that variant's run with the same seed (and lr), as
-a fresh run (train.init_from: step 0, new optimizer and schedule), and waits for that run to finish;
+train.init_from in a stage) itself: an override of one of them is refused, not ignored. A variant with
+`after: <an earlier variant>` is a curriculum stage: each of its runs starts from the weights of that
+variant's run with the same seed (and lr), as a fresh run (train.init_from: step 0, new optimizer and
+schedule), and waits for that run to finish;
 a stage whose earlier run has no result (not run, stopped, diverged) is reported and not started.
 A variant with `lr_of: <an earlier variant>` (and only train.lr) is that variant at another lr, for an lr
 grid over some variants only: it runs as a variant of its own (its own folder and --only name), and the
