@@ -114,6 +114,12 @@ class TrainConfig:
     stop_at: dict = field(default_factory=dict)  # early stop after an eval, e.g. {val_acc: 0.99}
     context_parallel: int = 1           # N ranks share every sequence (context_parallel.py); data x context
 
+    def refuse_unused(self, path):
+        """Refuse Muon's lr with another optimizer (see refuse_unused)."""
+        require(self.optimizer == "muon" or self.muon_lr == TrainConfig.muon_lr, f"{path}.muon_lr",
+                f"left at {TrainConfig.muon_lr} with optimizer {self.optimizer} (it is Muon's lr; set "
+                f"{path}.optimizer: muon)", self.muon_lr)
+
     def check(self, path, model):
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_interval",
                     "eval_batches", "ckpt_interval", "keep_last", "max_bad_steps"):
@@ -250,9 +256,7 @@ def refuse_unused(cfg):
     saved config is not checked: its model is what it is."""
     cfg.model.mlp.refuse_unused("model.mlp")
     cfg.data.refuse_unused("data")
-    require(cfg.train.optimizer == "muon" or cfg.train.muon_lr == TrainConfig.muon_lr, "train.muon_lr",
-            f"left at {TrainConfig.muon_lr} with optimizer {cfg.train.optimizer} (it is Muon's lr; set "
-            f"train.optimizer: muon)", cfg.train.muon_lr)
+    cfg.train.refuse_unused("train")
     return cfg
 
 

@@ -206,6 +206,10 @@ class MLAConfig:
         return self.qk_rope_dim
 
 
+_USED_ONLY_WITH = {"bias_update_rate": ("router", "sigmoid"),  # MoE settings read under one choice only
+                   "swiglu_alpha": ("expert_act", "swiglu_clamped"), "swiglu_limit": ("expert_act", "swiglu_clamped")}
+
+
 @dataclass
 class MLPConfig:
     """swiglu: one SwiGLU MLP per layer. moe: token-choice top-k mixture of SwiGLU experts (SPEC 10)."""
@@ -267,15 +271,13 @@ class MLPConfig:
         """Refuse a setting this MLP would ignore: a MoE key on a dense MLP (n_experts without kind: moe),
         bias_update_rate without the sigmoid router, swiglu_alpha / swiglu_limit without swiglu_clamped.
         For configs about to train (config.refuse_unused), not for those saved in checkpoints."""
-        moe = self.kind == "moe"
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("kind", "hidden") or value == f.default:
                 continue
-            require(moe, f"{path}.{f.name}", f"left out: it is a MoE setting and {path}.kind is {self.kind} (set "
-                    f"{path}.kind: moe)", value)
-            key, needed = {"bias_update_rate": ("router", "sigmoid"), "swiglu_alpha": ("expert_act", "swiglu_clamped"),
-                           "swiglu_limit": ("expert_act", "swiglu_clamped")}.get(f.name, (None, None))
+            require(self.kind == "moe", f"{path}.{f.name}", f"left out: it is a MoE setting and {path}.kind is "
+                    f"{self.kind} (set {path}.kind: moe)", value)
+            key, needed = _USED_ONLY_WITH.get(f.name, (None, None))
             require(key is None or getattr(self, key) == needed, f"{path}.{f.name}", f"left at its default without "
                     f"{key}: {needed} (it is used only there)", value)
 

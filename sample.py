@@ -304,11 +304,8 @@ def serve_file(args, model, encode, decode):
         return 2
     bad = [r for r in reqs if r.error is not None]
     bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr, disable=None)
-    finished = set()                                              # id() of the requests the engine finished
-
     def done(r):
         bar.update(1)
-        finished.add(id(r))
         if r.error is not None:
             tqdm.write(f"error: {r.rid}: {r.error}", file=sys.stderr)
     for r in bad:
@@ -320,7 +317,7 @@ def serve_file(args, model, encode, decode):
         interrupted = True
     bar.close()
     lines = [json.dumps({**obj, "completion": decode(r.out)}, ensure_ascii=False) + "\n"
-             for r, obj in zip(reqs, objs) if r.error is None and id(r) in finished]
+             for r, obj in zip(reqs, objs) if r.error is None and r.done]   # after Ctrl-C: the finished ones
     if args.output:
         try:
             atomic_write(args.output, lambda f: f.writelines(lines), mode="w")

@@ -591,9 +591,9 @@ class Run:
         try:
             self.data.load_state_dict(ckpt["data_per_rank"][pg.rank] if same_world and "data_per_rank" in ckpt
                                       else ckpt["data"])
-        except (KeyError, TypeError, ValueError) as e:  # DataError (a ValueError) names the problem itself
-            if isinstance(e, DataError):
-                raise
+        except DataError:  # names the problem itself
+            raise
+        except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"{path}: the saved data position does not fit this run's data ({type(e).__name__}: "
                             f"{e}); resume with the data settings the run was trained with") from None
         rngs = ckpt.get("rng")
@@ -608,10 +608,7 @@ class Run:
         nothing here). Other changed train / data settings are allowed (a longer max_steps, another lr) and
         listed, as the model's are."""
         from dataclasses import asdict
-        try:
-            saved = from_raw(ckpt["config"])
-        except ConfigError:  # check_model_matches has named it
-            return
+        saved = from_raw(ckpt["config"])                             # parses: check_model_matches has read it
         if saved.data.kind != self.cfg.data.kind:
             raise DataError(f"{path}: the run trained on data.kind={saved.data.kind} and this config has data.kind="
                             f"{self.cfg.data.kind}; resume it on its own data, or start a new run from its weights "

@@ -134,12 +134,6 @@ def open_split(folder, split):
     return shards
 
 
-def _split_of(shard):
-    """'train' or 'val' (the prefix of a shard's file name), or 'token' for a file named otherwise."""
-    name = os.path.basename(shard.path)
-    return next((split for split in ("train", "val") if name.startswith(split + "_")), "token")
-
-
 def with_bos(x, bos):
     """x [B, n] -> [B, n + 1] with `bos` in column 0."""
     return torch.cat([torch.full_like(x[:, :1], bos), x], dim=1)
@@ -170,9 +164,10 @@ class TokenLoader:
         self.shards = [s for s in shards if s.n_tokens >= need]
         if not self.shards:
             largest = max(shards, key=lambda s: s.n_tokens)
-            raise DataError(f"{os.path.dirname(largest.path)}: no {_split_of(largest)} shard holds one global batch "
+            folder, name = os.path.split(largest.path)                # name: <split>_NNN.bin
+            raise DataError(f"{folder}: no {name.rsplit('_', 1)[0]} shard holds one global batch "
                             f"({need:,} tokens = train.batch_size x (seq_len + 1) + 1; the largest, "
-                            f"{os.path.basename(largest.path)}, has {largest.n_tokens:,}); lower batch_size or "
+                            f"{name}, has {largest.n_tokens:,}); lower batch_size or "
                             f"seq_len, or prepare the corpus with more tokens per shard (data/prepare.py "
                             f"--shard_tokens, --val_tokens)")
         self.shard, self.offset = 0, 0

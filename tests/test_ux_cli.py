@@ -229,6 +229,11 @@ def test_prepare_options(tmp_path, capsys, monkeypatch, extra, match):
     assert snapshot(tmp_path) == before and not (tmp_path / "corpus").exists()
 
 
+def prepare_errors(err):
+    """prepare.py's stderr lines without tqdm's bar (its lines start with "tokenise")."""
+    return [line for line in err.splitlines() if line.strip() and not line.startswith("tokenise")]
+
+
 def test_prepare_a_corpus_without_train_shard_is_an_error(tmp_path, capsys, monkeypatch):
     """One file is one document: with the default --val_tokens it all went to val, exit 0, and training
     then said 'prepare the corpus first'."""
@@ -238,7 +243,7 @@ def test_prepare_a_corpus_without_train_shard_is_an_error(tmp_path, capsys, monk
     (tmp_path / "a.txt").write_text("hello world\n" * 50)
     rc = prepare_mod.main(["--files", "a.txt", "--tokenizer", "bytes", "--out", "c", "--workers", "1"])
     out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.strip() and not line.startswith("tokenise")]  # tqdm
+    errors = prepare_errors(err)
     assert rc == 2 and re.fullmatch(r"c: 601 tokens \(601 val\) .*\n", out), out
     assert len(errors) == 1 and re.match(r"error: c: no train shard, every document went to val \(the first "
                                          r"documents, whole, up to --val_tokens 1,000,000; one file is one document\)",
@@ -504,9 +509,9 @@ def test_prepare_hub_failures_are_one_line_and_keep_the_shards_written(tmp_path,
 
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'x/y' on the Hub (LocalEntryNotFoundError)")
-    def one_line(rc, match):  # tqdm's bar lines start with "tokenise"
+    def one_line(rc, match):
         err = capsys.readouterr().err
-        errors = [line for line in err.splitlines() if line.strip() and not line.startswith("tokenise")]
+        errors = prepare_errors(err)
         assert rc == 2 and len(errors) == 1 and re.search(match, errors[0]), err
     monkeypatch.setattr(datasets, "load_dataset", offline)
     argv = ["--dataset", "x/y", "--tokenizer", "bytes", "--out", str(tmp_path / "c"), "--workers", "1",
