@@ -312,3 +312,11 @@ def test_bench_attention_table_runs_every_case_and_checks_triton(capsys):
         if r["impl"] == "triton":
             assert float(r["diff_o"]) < 1e-4 and float(r["diff_g"]) < 1e-4, r
     assert "window 8" in capsys.readouterr().out
+
+
+def test_bench_linear_width_runs(capsys):
+    """bench_linear_width.py prints a row per (rows, width) with F.linear's and model.linear's rates."""
+    import bench_linear_width
+    bench_linear_width.main(["--rows", "1024", "--k", "32", "--widths", "257", "--repeat", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("1024")]
+    assert len(rows) == 1 and rows[0].split()[1] == "257"

@@ -89,6 +89,44 @@ def test_silu_mul_backward_by_hand_equals_autograd(dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("n, k", [(683, 256), (256, 683), (300, 270)])
+def test_padded_linear_equals_linear(n, k):
+    """model.linear pads an odd width (n: the output, in forward; k: dx's width, in backward) to a multiple of
+    16 for the matmul and cuts the result back: the same output and both gradients as F.linear (to fp32
+    rounding: the padded product is another sgemm), on 1,024 rows (where it pads)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 256, k, dtype=torch.float64).float().requires_grad_()
+    w = (torch.randn(n, k) * k ** -0.5).requires_grad_()
+    g = torch.randn(4, 256, n)
+    ours = M.linear(x, w)
+    assert type(ours.grad_fn).__name__ == "PaddedLinearBackward"
+    ref = F.linear(x.double(), w.double())
+    got = torch.autograd.grad(ours, (x, w), g)
+    want = torch.autograd.grad(ref, (x, w), g.double())
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_pads_only_where_it_pays():
+    """Aligned widths, narrow layers, few rows, bf16 and no-grad all take F.linear's own path (no padding);
+    SwiGLU at hidden 683 (Qwen3-Next's) pads its three matmuls and equals its formula."""
+    w = torch.randn(683, 256, requires_grad=True)
+    fn = lambda x, w: type(M.linear(x, w).grad_fn).__name__
+    assert fn(torch.randn(1024, 256), w) == "PaddedLinearBackward"
+    assert fn(torch.randn(1023, 256), w) != "PaddedLinearBackward"                          # few rows
+    assert fn(torch.randn(1024, 256), torch.randn(688, 256, requires_grad=True)) != "PaddedLinearBackward"
+    assert fn(torch.randn(1024, 256), torch.randn(100, 256, requires_grad=True)) != "PaddedLinearBackward"
+    assert fn(torch.randn(1024, 256).bfloat16(), w.bfloat16()) != "PaddedLinearBackward"
+    mlp = M.SwiGLU(256, 683)
+    x = torch.randn(2, 512, 256, requires_grad=True)
+    y = mlp(x)
+    torch.testing.assert_close(y, mlp.w2(F.silu(mlp.w1(x)) * mlp.w3(x)), rtol=1e-5, atol=1e-6)
+    dx, = torch.autograd.grad(y.sum(), x)
+    dx_ref, = torch.autograd.grad(mlp.w2(F.silu(mlp.w1(x)) * mlp.w3(x)).sum(), x)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
+
+
 def naive_short_conv(past, u, w, doc_pos):
     """silu(sum_s w[W-1-s] x[t-s]) token by token over x = [past | u], skipping taps that reach before
     the token's document (doc_pos [T]: position in its document)."""
