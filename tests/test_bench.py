@@ -1,4 +1,5 @@
 """The bench/ drivers run end to end on tiny shapes (their figures are printed, not asserted)."""
+import argparse
 import os
 import sys
 import time
@@ -320,3 +321,13 @@ def test_bench_linear_width_runs(capsys):
     bench_linear_width.main(["--rows", "1024", "--k", "32", "--widths", "257", "--repeat", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("1024")]
     assert len(rows) == 1 and rows[0].split()[1] == "257"
+
+
+def test_qwen3next_shape_config_is_the_benchmark_model():
+    """bench/qwen3next_shape.yaml (for bench_revisions.py) is the model bench_qwen3next.py builds by default."""
+    import bench_qwen3next
+    from config import load_config
+    cfg = load_config(os.path.join(os.path.dirname(bench_qwen3next.__file__), "qwen3next_shape.yaml"))
+    args = argparse.Namespace(d=256, layers=4, heads=4, kv_heads=2, hidden=683, vocab=257)  # its defaults
+    assert cfg.model == bench_qwen3next.our_config(args)
+    assert (cfg.train.batch_size, cfg.train.seq_len) == (8, 256)
