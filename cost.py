@@ -390,11 +390,14 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     seq_len = args.seq_len or cfg.train.seq_len
-    print(f"{path or os.path.relpath(DEFAULT_CONFIG)}: {human(num_params(cfg.model))} parameters "
-          f"({human(active_params(cfg.model))} active), "
-          f"{human(train_flops_per_token(cfg.model, seq_len))} training FLOPs/token at seq_len {seq_len}, "
-          f"{args.dtype_bytes}-byte weights and cache\n")
-    print(report(cfg.model, seq_len, args.ctx, args.dtype_bytes))
+    try:
+        print(f"{path or os.path.relpath(DEFAULT_CONFIG)}: {human(num_params(cfg.model))} parameters "
+              f"({human(active_params(cfg.model))} active), "
+              f"{human(train_flops_per_token(cfg.model, seq_len))} training FLOPs/token at seq_len {seq_len}, "
+              f"{args.dtype_bytes}-byte weights and cache\n", flush=True)
+        print(report(cfg.model, seq_len, args.ctx, args.dtype_bytes), flush=True)
+    except BrokenPipeError:  # `cost.py | head`: the reader has what it wanted
+        sys.stdout = open(os.devnull, "w")
     return 0
 
 

@@ -552,6 +552,14 @@ def test_cost_without_a_config_and_bad_ctx(capsys):
     one_error_line(capsys, cost.main(["--model.n_layer", "4"]), r"an override needs '='")
 
 
+def test_cost_into_a_pipe_closed_early():
+    """`python cost.py | head -1`: the first line, then no BrokenPipeError traceback."""
+    r = subprocess.run(f"{sys.executable} {os.path.join(ROOT, 'cost.py')} | head -1", shell=True,
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.stdout.startswith("configs/default.yaml: ") and r.stdout.count("\n") == 1
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
 def test_plot_one_run(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
