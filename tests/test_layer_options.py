@@ -109,7 +109,7 @@ def test_padded_linear_equals_linear(n, k):
 
 
 def test_linear_pads_only_where_it_pays():
-    """Aligned widths, narrow layers, few rows, bf16 and no-grad all take F.linear's own path (no padding);
+    """Aligned widths, narrow layers, few rows and bf16 take F.linear's own path (no padding);
     SwiGLU at hidden 683 (Qwen3-Next's) pads its three matmuls and equals its formula."""
     w = torch.randn(683, 256, requires_grad=True)
     fn = lambda x, w: type(M.linear(x, w).grad_fn).__name__
