@@ -584,9 +584,10 @@ def _pad16(n):
 class PaddedLinear(torch.autograd.Function):
     """x @ w^T, w [n, k], with the products whose result is n or k wide computed at a multiple of 16 and cut
     back: the forward pads w's rows with zeros (x @ w_pad^T [..., :n]), the backward's dx = g @ w pads w's
-    columns. On the CPU MKL's sgemm runs a training-sized product of such a width far below its speed at the
-    next multiple of 16: 2,048 rows x 256 -> 683 (Qwen3-Next's SwiGLU) at 52 GFLOP/s against 89 at 688 (AMD
-    EPYC, one thread; bench/bench_linear_width.py). dw = g^T x keeps its size (n as rows costs nothing)."""
+    columns. On the CPU MKL's sgemm runs a training-sized product whose result is not a multiple of 8 wide far
+    below its speed at the next multiple of 16: 2,048 rows x 256 -> 683 (Qwen3-Next's SwiGLU) at 52 GFLOP/s
+    against 89 at 688 (AMD EPYC, one thread; bench/bench_linear_width.py). dw = g^T x keeps its size (n as rows
+    costs nothing)."""
 
     @staticmethod
     def forward(ctx, x, w):
