@@ -17,6 +17,7 @@ Writes <out_dir>/metrics.jsonl (one JSON object per log or eval step) and <out_d
 is saved, the process exits 0 (resume with --resume); a second Ctrl-C aborts at once (exit 130).
 """
 import contextlib
+import gc
 import glob
 import json
 import math
@@ -387,6 +388,7 @@ def train(cfg, resume=None, quiet=False, stop_at=None, overwrite=False):
     try:
         return _train(cfg, pg, resume, quiet, stop_at, overwrite)
     finally:
+        gc.collect()  # the run's model in its reference cycles, whose FSDP mesh holds the gloo group: freed first
         pg.close()
 
 
