@@ -146,14 +146,13 @@ def load_sweep(path):
         if isinstance(ovs, dict) and "lr_of" in ovs:
             ovs = _lr_point(path, name, ovs, sweep)
         sweep["variants"][name] = _variant_overrides(path, name, ovs)
-        lr_set = [o for o in sweep["common"] + sweep["variants"][name] if o.startswith("--train.lr=")]
-        if lrs and lr_set:  # the grid's lr is applied last: this one would be ignored
-            raise SweepError(f"{path}: variants.{name}: {lr_set[0]!r}: the sweep's lrs grid sets each run's lr; "
-                             f"drop this override or the grid")
-        init = [o for o in sweep["common"] + sweep["variants"][name] if o.startswith("--train.init_from=")]
-        if name in sweep["after"] and init:  # a stage starts from its earlier stage's run: this would be ignored
-            raise SweepError(f"{path}: variants.{name}: {init[0]!r}: a stage (after: ...) starts from its earlier "
-                             f"stage's weights; drop this override")
+        owned_here = {"train.lr": lrs and "the sweep's lrs grid sets each run's lr; drop this override or the grid",
+                      "train.init_from": name in sweep["after"] and "a stage (after: ...) starts from its earlier "
+                                                                    "stage's weights; drop this override"}
+        for o in sweep["common"] + sweep["variants"][name]:  # (set after the overrides: they would be ignored)
+            why = owned_here.get(o[2:].split("=", 1)[0])
+            if why:
+                raise SweepError(f"{path}: variants.{name}: {o!r}: {why}")
         try:
             cfg = config_for(sweep, name, seeds[0], sweep["lrs"][0])
             for ev, opts in evs.items():  # an eval the variant's data can never run (mqar on text, ...)
