@@ -266,13 +266,17 @@ def strong_decay(g, per_channel, T):
                                            (300, [0, 1, 3, 66, 130, 131, 300]),
                                            (600, [0, 190, 200, 500, 530, 600])], ids=str)
 @pytest.mark.parametrize("per_channel", [True, False], ids=["kda", "gdn"])
-def test_hand_backward_equals_autograd(T, cu_seqlens, per_channel):
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
+def test_hand_backward_equals_autograd(T, cu_seqlens, per_channel, keep, monkeypatch):
     """The hand-written backward (_ChunkedDeltaRule) equals autograd through the same chunked forward
     math (_chunk_forward), for every input, with an initial state and strong decay; in float64 (the
     math exactly) and in float32 (the op as it runs, against autograd in float32: both carry the same
     float32 rounding, up to 2e-5 from the float64 loop here for a per-head gate). Packed documents:
-    boundaries inside chunks and across the spans the forward (8 chunks) and backward (3) walk."""
+    boundaries inside chunks and across the spans the forward (8 chunks) and backward (3) walk. Both ways
+    the backward gets its chunk operators: kept from the forward (short sequences) and recomputed (long)."""
+    from kernels import torch_delta_rule
     from kernels.torch_delta_rule import _chunk_forward, _chunked_inputs, _from_chunks
+    monkeypatch.setattr(torch_delta_rule, "KEEP_CHUNKS", 10 ** 6 if keep else 0)
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
     q, k, v, g, beta, S0 = make_inputs(T, per_channel, True)
     raw = (q, k, v, strong_decay(g, per_channel, T), beta, S0)
@@ -280,7 +284,7 @@ def test_hand_backward_equals_autograd(T, cu_seqlens, per_channel):
 
     def by_autograd(q, k, v, g, beta, S0):
         *chunked, masks = _chunked_inputs(q, k, v, g, beta, scale, cu_seqlens=cu)
-        O, S = _chunk_forward(*chunked, S0, masks)
+        O, S, _ = _chunk_forward(*chunked, S0, masks)
         return _from_chunks(O, T), S[:, :, -1]
 
     by_hand = lambda q, k, v, g, beta, S0: delta_rule_torch(q, k, v, g, beta, scale=scale, initial_state=S0,
@@ -292,11 +296,57 @@ def test_hand_backward_equals_autograd(T, cu_seqlens, per_channel):
             assert gr.dtype == dtype and rel_err(gr, gr_ref) <= tol, (name, dtype, rel_err(gr, gr_ref))
 
 
-def test_hand_backward_saves_inputs_and_states():
-    """What the op keeps for backward: its inputs and the N+1 chunk states, nothing else."""
-    T = 1024
-    q, k, v, g, beta, _ = make_inputs(T, True, False, b=1, h=2, kd=32, vd=32)
-    x = leaves((q, k, v, g, beta), torch.float32)
-    nbytes, (o, _) = saved_bytes(lambda: delta_rule_torch(*x))
-    states = 1 * 2 * (T // 64 + 1) * 32 * 32 * 4
-    assert nbytes == sum(t.nbytes for t in x) + states, nbytes
+@pytest.mark.parametrize("per_channel", [True, False], ids=["kda", "gdn"])
+def test_hand_backward_saves_inputs_and_states(per_channel):
+    """What the op keeps for backward. Longer than KEEP_CHUNKS chunks: its inputs and the N+1 chunk states,
+    nothing else. Up to KEEP_CHUNKS: also the chunked inputs and the chunk operators of every chunk (in
+    float32: q, k, v, G, beta; P and T_inv [C, C]; W|U [C, K+V]; q_decayed, k_to_end [C, K]; the state decay
+    [K or 1]), and nothing when no input needs a gradient."""
+    from kernels.torch_delta_rule import KEEP_CHUNKS
+    b, h, kd, vd, C = 1, 2, 32, 32, 64
+    for T in (KEEP_CHUNKS * C + 1, 1024, KEEP_CHUNKS * C, 200):
+        N = -(-T // C)
+        q, k, v, g, beta, _ = make_inputs(T, per_channel, False, b=b, h=h, kd=kd, vd=vd)
+        x = leaves((q, k, v, g, beta), torch.float32)
+        nbytes, _ = saved_bytes(lambda: delta_rule_torch(*x))
+        expected = sum(t.nbytes for t in x) + b * h * (N + 1) * kd * vd * 4
+        if N <= KEEP_CHUNKS:
+            gate = kd if per_channel else 1
+            per_chunk = C * (kd + kd + vd + gate + 1) + 2 * C * C + C * (kd + vd) + 2 * C * kd + gate
+            expected += b * h * N * per_chunk * 4
+        assert nbytes == expected, (T, nbytes, expected)
+    x = [t.detach() for t in x]
+    assert saved_bytes(lambda: delta_rule_torch(*x))[0] == 0
+
+
+@pytest.mark.parametrize("T", [200, 1000])
+def test_second_backward_of_a_kept_graph(T):
+    """retain_graph: a second backward through the same forward (kept operators at T=200, recomputed at 1000)
+    gives the first one's gradients exactly."""
+    q, k, v, g, beta, S0 = make_inputs(T, True, True)
+    x = leaves((q, k, v, g, beta, S0), torch.float32)
+    o, S = delta_rule_torch(*x[:5], initial_state=x[5], output_final_state=True)
+    loss = (o * torch.randn_like(o)).sum() + (S * torch.randn_like(S)).sum()
+    first = torch.autograd.grad(loss, x, retain_graph=True)
+    second = torch.autograd.grad(loss, x)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("T", [200, 1000])
+def test_float32_under_autocast(T):
+    """The op computes in float32 also under bf16 autocast (as its backward always did): output, final state
+    and gradients equal the op's without autocast (kept operators at T=200, recomputed at 1000). Its forward
+    matmuls ran in bf16 under autocast before, and the kept operators then reached the backward in bf16."""
+    q, k, v, g, beta, S0 = make_inputs(T, True, True)
+    x = leaves((q, k, v, g, beta, S0), torch.float32)
+
+    def run(autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            o, S = delta_rule_torch(*x[:5], initial_state=x[5], output_final_state=True)
+        loss = (o * torch.linspace(-1, 1, o.shape[-1])).sum() + S.sum()
+        return o, S, torch.autograd.grad(loss, x)
+
+    o, S, grads = run(False)
+    o_ac, S_ac, grads_ac = run(True)
+    assert o_ac.dtype == torch.float32 and torch.equal(o_ac, o) and torch.equal(S_ac, S)
+    assert all(torch.equal(a, b) for a, b in zip(grads_ac, grads))
