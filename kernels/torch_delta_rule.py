@@ -399,8 +399,9 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         dS = torch.zeros_like(S[:, :, -1]) if dS_final is None else dS_final.to(S.dtype)
         groups = _groups(q.shape[1], GROUP_BACKWARD)
         for i, (t0, t1) in reversed(list(enumerate(groups))):
-            if kept:                                              # 5 chunked inputs, 6 operators a group
-                *chunked, P, T_inv, WU, q_decayed, k_to_end, state_decay = kept[11 * i:11 * i + 11]
+            if kept:                                              # each group's 5 chunked inputs and 6 operators
+                n = len(kept) // len(groups)
+                *chunked, P, T_inv, WU, q_decayed, k_to_end, state_decay = kept[n * i:n * (i + 1)]
                 masks, ops = ctx.masks[i], (P, T_inv, None, WU, q_decayed, k_to_end, state_decay)
             else:
                 (*chunked, masks), ops = _chunked_inputs(q, k, v, g, beta, ctx.scale, t0, t1, ctx.cu_seqlens), None
