@@ -386,6 +386,7 @@ class _ChunkedDeltaRule(torch.autograd.Function):
             if keep:                                              # (XY, ops[2], is not read by the backward)
                 kept += [*chunked, *ops[:2], *ops[3:]]
                 ctx.masks.append(masks)
+            del ops                                               # not kept: freed before the next group's
         S = torch.stack(states, dim=2)                            # [B,H,N+1,K,V]
         ctx.save_for_backward(q, k, v, g, beta, S, *kept)
         ctx.scale, ctx.has_S0, ctx.cu_seqlens = scale, S0 is not None, cu_seqlens

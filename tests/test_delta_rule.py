@@ -336,7 +336,7 @@ def test_second_backward_of_a_kept_graph(T):
 def test_float32_under_autocast(T):
     """The op computes in float32 also under bf16 autocast (as its backward always did): output, final state
     and gradients equal the op's without autocast (kept operators at T=200, recomputed at 1000). Its forward
-    matmuls ran in bf16 under autocast before, and the kept operators then reached the backward in bf16."""
+    matmuls ran in bf16 under autocast before; kept, such operators would reach the backward in bf16."""
     q, k, v, g, beta, S0 = make_inputs(T, True, True)
     x = leaves((q, k, v, g, beta, S0), torch.float32)
 
