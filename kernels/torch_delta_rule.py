@@ -372,11 +372,12 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         forward walks GROUP_FORWARD chunks a group, the backward GROUP_BACKWARD)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0, scale, cu_seqlens):
+    def forward(ctx, q, k, v, g, beta, S0, scale, cu_seqlens, grad_enabled):
         B, T, H, K = q.shape
         states = [S0 if S0 is not None else q.new_zeros(B, H, K, v.shape[-1], dtype=_compute_dtype(q))]
         outs, kept, ctx.masks = [], [], []
-        keep = -(-T // CHUNK) <= KEEP_CHUNKS and any(ctx.needs_input_grad[:6])
+        # (grad mode is off inside forward, and needs_input_grad ignores it: the caller passes it)
+        keep = -(-T // CHUNK) <= KEEP_CHUNKS and grad_enabled and any(ctx.needs_input_grad[:6])
         for t0, t1 in _groups(T, GROUP_BACKWARD if keep else GROUP_FORWARD):
             *chunked, masks = _chunked_inputs(q, k, v, g, beta, scale, t0, t1, cu_seqlens)
             with torch.autocast(q.device.type, enabled=False):   # float32 also under autocast, as the backward
@@ -415,7 +416,7 @@ class _ChunkedDeltaRule(torch.autograd.Function):
                 grad[:, t0:t1] = _from_chunks(gr, t1 - t0).reshape(grad[:, t0:t1].shape)
             del chunked, masks, ops, dO, group_grads              # before the next group allocates its own
         grads = [gr.to(x.dtype) for gr, x in zip(grads, inputs)]
-        return (*grads, dS if ctx.has_S0 else None, None, None)
+        return (*grads, dS if ctx.has_S0 else None, None, None, None)
 
 
 def _compute_dtype(x):
@@ -471,7 +472,7 @@ def delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output
         raise RuntimeError(f"delta_rule: the torch backend under torch.compile needs torch >= 2.13 ({torch.__version__} "
                            f"computes its gradients wrongly there); train eagerly, or on CUDA with the triton backend")
     S0 = initial_state.to(_compute_dtype(q)) if initial_state is not None else None
-    o, S = _ChunkedDeltaRule.apply(q, k, v, g, beta, S0, scale, cu_seqlens)
+    o, S = _ChunkedDeltaRule.apply(q, k, v, g, beta, S0, scale, cu_seqlens, torch.is_grad_enabled())
     return o, (S if output_final_state else None)
 
 

@@ -350,3 +350,22 @@ def test_float32_under_autocast(T):
     o_ac, S_ac, grads_ac = run(True)
     assert o_ac.dtype == torch.float32 and torch.equal(o_ac, o) and torch.equal(S_ac, S)
     assert all(torch.equal(a, b) for a, b in zip(grads_ac, grads))
+
+
+def test_keeps_operators_only_where_a_backward_can_come(monkeypatch):
+    """The forward walks the backward's small groups and keeps their operators only when a backward can follow:
+    under no_grad (inputs that require grad or not) and for inputs without grad it walks GROUP_FORWARD chunks a
+    group, as before the keeping. T=256: 4 chunks, one group of 8 or two of 3 (2 + 2)."""
+    from kernels import torch_delta_rule as D
+    calls = []
+    real = D._chunk_forward
+    monkeypatch.setattr(D, "_chunk_forward", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    q, k, v, g, beta, _ = make_inputs(256, True, False)
+    x = leaves((q, k, v, g, beta), torch.float32)
+    with torch.no_grad():
+        o_no_grad, _ = delta_rule_torch(*x)
+    assert calls == [4]
+    delta_rule_torch(*[t.detach() for t in x])
+    assert calls == [4, 4]
+    o, _ = delta_rule_torch(*x)
+    assert calls == [4, 4, 2, 2] and torch.equal(o, o_no_grad)
