@@ -197,7 +197,7 @@ def _chunk_operators(q, k, v, G, beta, masks=NO_DOCS):
     q (scaled), k [..., C, K]  v [..., C, V]  G [..., C, K or 1]  beta [..., C, 1]; masks: _doc_masks
     (doc, cont, last, carry) of packed documents, or NO_DOCS. Returns
       P [..., C, C], T_inv [..., C, C]           (see _chunk_matrices)
-      XY [..., C, K+V] = [beta k exp(G), beta v] and WU = T_inv @ XY = [W, U]
+      WU [..., C, K+V] = T_inv @ [beta k exp(G), beta v] = [W, U]
       q_decayed [..., C, K] = q exp(G)           k_to_end [..., C, K] = k exp(G_last - G)
       state_decay [..., K or 1, 1] = exp(G_last)
     """
@@ -208,7 +208,7 @@ def _chunk_operators(q, k, v, G, beta, masks=NO_DOCS):
     G_last = G[..., -1:, :]                                       # [..., 1, K or 1]
     k_to_end = _masked(k * torch.exp2(G_last - G), last)          # k_j decayed to the chunk end
     state_decay = _masked(torch.exp2(G_last), carry).transpose(-1, -2)
-    return P, T_inv, XY, T_inv @ XY, q * decay_from_start, k_to_end, state_decay
+    return P, T_inv, T_inv @ XY, q * decay_from_start, k_to_end, state_decay
 
 
 def _chunk_forward(q, k, v, G, beta, S0, masks=NO_DOCS):
@@ -224,7 +224,7 @@ def _chunk_forward(q, k, v, G, beta, S0, masks=NO_DOCS):
     """
     K = k.shape[-1]
     ops = _chunk_operators(q, k, v, G, beta, masks)
-    P, _, _, WU, q_decayed, k_to_end, state_decay = ops
+    P, _, WU, q_decayed, k_to_end, state_decay = ops
     W, U = WU[..., :K], WU[..., K:]
     k_to_end_t = k_to_end.transpose(-1, -2)                       # [B,H,N,K,C]
     states, writes = [S0], []
@@ -273,8 +273,8 @@ def _thin_matmul(a, b):
 
 
 def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS, ops=None):
-    """Gradients of _chunk_forward, by hand: take the chunk operators the forward made (ops; XY may be None)
-    or recompute them from the inputs, run the recurrence backwards over chunks (du_n = P^T dO_n + k_to_end
+    """Gradients of _chunk_forward, by hand: take the chunk operators the forward made (ops) or
+    recompute them from the inputs, run the recurrence backwards over chunks (du_n = P^T dO_n + k_to_end
     dS after chunk n, and dS before it = q_decayed^T dO_n + state_decay dS after it - W^T du_n), then push
     the gradients through the operators for all chunks at once.
 
@@ -285,13 +285,12 @@ def _chunk_backward(q, k, v, G, beta, S, dO, dS_final, masks=NO_DOCS, ops=None):
     K = k.shape[-1]
     if ops is None:
         ops = _chunk_operators(q, k, v, G, beta, masks)
-    P, T_inv, XY, WU, q_decayed, k_to_end, state_decay = ops
+    P, T_inv, WU, q_decayed, k_to_end, state_decay = ops
     del ops
     doc, last = masks[0], masks[2]
     same_doc = 1.0 if doc is None else (doc == doc.transpose(-1, -2)).float()   # [..., C, C]
     W, U = WU[..., :K], WU[..., K:]
     S_start = S[:, :, :-1]                                        # [B,H,N,K,V]
-    del XY
     # backwards over chunks: du = P^T dO + k_to_end dS_after,
     # dS before the chunk = q_decayed^T dO + state_decay dS_after - W^T du
     from_out = q_decayed.transpose(-1, -2) @ dO                  # [B,H,N,K,V]
@@ -384,8 +383,8 @@ class _ChunkedDeltaRule(torch.autograd.Function):
                 O, S, ops = _chunk_forward(*chunked, states[-1], masks)
             outs.append(_from_chunks(O, t1 - t0))
             states += S[:, :, 1:].unbind(2)
-            if keep:                                              # (XY, ops[2], is not read by the backward)
-                kept += [*chunked, *ops[:2], *ops[3:]]
+            if keep:
+                kept += [*chunked, *ops]
                 ctx.masks.append(masks)
             del ops                                               # not kept: freed before the next group's
         S = torch.stack(states, dim=2)                            # [B,H,N+1,K,V]
@@ -400,11 +399,10 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         grads = [S.new_empty(x.shape) for x in inputs]
         dS = torch.zeros_like(S[:, :, -1]) if dS_final is None else dS_final.to(S.dtype)
         groups = _groups(q.shape[1], GROUP_BACKWARD)
+        n = len(kept) // len(groups)                              # kept: each group's 5 chunked inputs, 6 operators
         for i, (t0, t1) in reversed(list(enumerate(groups))):
-            if kept:                                              # each group's 5 chunked inputs and 6 operators
-                n = len(kept) // len(groups)
-                *chunked, P, T_inv, WU, q_decayed, k_to_end, state_decay = kept[n * i:n * (i + 1)]
-                masks, ops = ctx.masks[i], (P, T_inv, None, WU, q_decayed, k_to_end, state_decay)
+            if kept:
+                chunked, masks, ops = kept[n * i:n * i + 5], ctx.masks[i], kept[n * i + 5:n * (i + 1)]
             else:
                 (*chunked, masks), ops = _chunked_inputs(q, k, v, g, beta, ctx.scale, t0, t1, ctx.cu_seqlens), None
             N, C = chunked[0].shape[2:4]
