@@ -14,7 +14,8 @@ Times are the median of --repeat runs without the profiler.
     python bench/bench_delta_rule.py --loop-max-T 2048     # skip the slow loop at longer T
     python bench/bench_delta_rule.py --T 2048 --against main --threads 1 [--gate head]
         # the torch path against kernels/torch_delta_rule.py as it is at git revision `main`, side by
-        # side in this process with interleaved repeats (time ratio and peak-memory ratio)
+        # side in this process with interleaved repeats (time ratio and peak-memory ratio; the time ratio
+        # is the median of the per-repeat ratios, with bench_nanogpt.median_interval's interval for it)
 """
 import argparse
 import importlib.util
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # bind the dispatch functions now: importing a kernels submodule later re-binds kernels.<name> to it
 from kernels import attention as softmax_attention  # noqa: E402
 from kernels import delta_rule as delta_rule_op  # noqa: E402
+from bench_nanogpt import ratio_text  # noqa: E402
 
 
 def loop_delta_rule(q, k, v, g, beta, scale):
@@ -155,7 +157,7 @@ def against(args, scale, device, dtype):
         ms = {name: statistics.median(t) for name, t in times.items()}
         mb = {name: peak_mb(fn, inputs, device) for name, fn in fns.items()}
         print(f"T={T}: " + "  ".join(f"{n} {ms[n]:.1f} ms {mb[n]:.1f} MB" for n in fns)
-              + f"  | {args.against}/now: time {ms[args.against] / ms['now']:.2f}x, "
+              + f"  | time {ratio_text(times[args.against], times['now'], f'({args.against}/now)')}, "
               f"peak memory {mb[args.against] / mb['now']:.2f}x", flush=True)
 
 

@@ -11,6 +11,7 @@ forward + backward, interleaved, median of --repeat rounds.
 """
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -59,7 +60,7 @@ def main(argv=None):
         for n in args.widths:
             x = torch.randn(rows, args.k, requires_grad=True)
             w = torch.randn(n, args.k, requires_grad=True)
-            s = interleave(runners(x, w), args.repeat)                   # seconds, median
+            s = {name: statistics.median(t) for name, t in interleave(runners(x, w), args.repeat).items()}  # seconds
             flop = 2 * rows * args.k * n
             rate = {name: flop * (3 if "bwd" in name else 1) / t / 1e9 for name, t in s.items()}
             print(f"{rows:>6} {n:>6} | {rate['F.linear fwd']:>12.1f} {rate['linear fwd']:>10.1f} "

@@ -5,7 +5,9 @@ embeddings, pre-LayerNorm blocks, one fused q|k|v projection, causal SDPA, a 4x 
 embedding/head, cross-entropy on the logits, AdamW (betas 0.9/0.95, weight decay on matrices only).
 Both models see the same batch shape and vocabulary, train in fp32 with the same learning rate, and
 their steps (forward + backward + optimizer step) are interleaved: repeat r times model A, model B, ...
-so a noisy machine slows them alike. Printed: tokens/s (median over repeats) and the ratio to the baseline.
+so a noisy machine slows them alike. Printed: tokens/s (median over repeats) and the ratio to the baseline
+(and to `attn` when it runs), the median of the per-repeat ratios with an interval for it (median_interval):
+a ratio whose interval straddles a target has not shown it either way.
 
     python bench/bench_nanogpt.py                                  # dense attention vs the baseline
     python bench/bench_nanogpt.py --kinds attn kda gdn mla --threads 1
@@ -85,6 +87,28 @@ def nano_optimizer(model, lr):
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                              lr=lr, betas=(0.9, 0.95))
+
+
+def median_interval(values, level=0.95):
+    """(median, low, high, coverage): the median of `values` and a distribution-free interval for the median
+    of what they are draws of: the order statistics x_(k) and x_(n+1-k), with the largest k whose coverage
+    1 - 2 P(Binomial(n, 1/2) < k) is at least `level` (15 values: x_(4), x_(12), 96.5%). With fewer than 6
+    values no interval reaches 95%: the range, and its coverage (5 values: 93.8%)."""
+    x, n = sorted(values), len(values)
+    k, coverage = 1, 1 - 2 * 0.5 ** n
+    for j in range(2, n // 2 + 1):
+        c = 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2 ** n
+        if c < level:
+            break
+        k, coverage = j, c
+    return statistics.median(x), x[k - 1], x[n - k], coverage
+
+
+def ratio_text(nums, dens, name):
+    """'0.97x name [0.95, 0.99]': the median of the per-repeat ratios nums[i] / dens[i] and median_interval's
+    interval (paired repeats, so a slow minute that slows both cancels)."""
+    mid, low, high, _ = median_interval([a / b for a, b in zip(nums, dens)])
+    return f"{mid:5.2f}x {name} [{low:.2f}, {high:.2f}]"
 
 
 def hybrid_config(kind, args):
@@ -180,11 +204,17 @@ def main(argv=None):
     print(f"training tokens/s, d={args.d} layers={args.layers} heads={args.heads} T={args.T} B={args.B} "
           f"vocab={args.vocab} fp32, threads={torch.get_num_threads()}, median of {args.repeat} interleaved "
           f"repeats of {args.steps} steps")
-    base = statistics.median(rates["nanogpt"])
     for name, r in rates.items():
         params = sum(q.numel() for q in models[name].parameters()) / 1e6
-        print(f"{name:>8}: {statistics.median(r):9,.0f} tok/s  {statistics.median(r) / base:5.2f}x nanogpt  "
+        vs_attn = ""
+        if "attn" in rates and name not in ("attn", "nanogpt"):
+            vs_attn = f"  {ratio_text(r, rates['attn'], 'attn')}"
+        vs_base = "the baseline" if name == "nanogpt" else ratio_text(r, rates["nanogpt"], "nanogpt")
+        print(f"{name:>9}: {statistics.median(r):9,.0f} tok/s  {vs_base}{vs_attn}  "
               f"({params:.2f}M params)", flush=True)
+    coverage = median_interval(rates["nanogpt"])[3]
+    print(f"(ratios: the median of the {args.repeat} per-repeat ratios; [low, high]: a {coverage:.1%} "
+          f"distribution-free interval for it)")
     return {name: statistics.median(r) for name, r in rates.items()}
 
 

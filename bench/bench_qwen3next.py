@@ -10,6 +10,7 @@ train:  fp32 training steps (forward + backward + AdamW, same lr), B x T tokens 
         repeat r times ours, theirs, so a noisy machine slows them alike. tokens/s, median over repeats.
 decode: a prompt of --prompt tokens (prefill) then --new greedy tokens with each model's cache
         (ours: model.generate; theirs: generate(do_sample=False)), interleaved; ms per run, median.
+Each ratio is the median of the per-repeat ratios, with bench_nanogpt.median_interval's interval for it.
 
     python bench/bench_qwen3next.py --threads 1
     python bench/bench_qwen3next.py --steps 1 --repeat 1 --T 64 --B 2 --new 4   # a quick smoke run
@@ -28,6 +29,7 @@ from config import TrainConfig  # noqa: E402
 from convert import qwen3_next_hf_config  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from train import make_optimizer  # noqa: E402
+from bench_nanogpt import ratio_text  # noqa: E402
 
 
 def our_config(args):
@@ -57,6 +59,7 @@ def steps(name, model, opt, x, y):
 
 
 def interleave(fns, repeat):
+    """{name: [seconds of each repeat]}: one warm-up call of each fn, then `repeat` rounds calling each in turn."""
     times = {name: [] for name in fns}
     for name, fn in fns.items():                                   # warm-up
         fn()
@@ -65,7 +68,7 @@ def interleave(fns, repeat):
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def main(argv=None):
@@ -96,15 +99,15 @@ def main(argv=None):
     x = torch.randint(0, args.vocab, (args.B, args.T))
     y = torch.roll(x, -1, dims=1)
     run = {n: (lambda n=n: [steps(n, models[n], opts[n], x, y) for _ in range(args.steps)]) for n in models}
-    t = interleave(run, args.repeat)
-    rate = {n: args.steps * args.B * args.T / s for n, s in t.items()}
+    times = interleave(run, args.repeat)
+    rate = {n: args.steps * args.B * args.T / statistics.median(s) for n, s in times.items()}
     params = {n: sum(q.numel() for q in m.parameters()) / 1e6 for n, m in models.items()}
     print(f"3 GDN : 1 GQA, d={args.d} layers={args.layers} heads={args.heads}x64 kv={args.kv_heads} "
           f"swiglu={args.hidden} vocab={args.vocab}, fp32, threads={torch.get_num_threads()}, "
           f"median of {args.repeat} interleaved repeats")
     print(f"train T={args.T} B={args.B}: ours {rate['ours']:,.0f} tok/s ({params['ours']:.2f}M params), "
           f"transformers {rate['transformers']:,.0f} tok/s ({params['transformers']:.2f}M params): "
-          f"ours/transformers {rate['ours'] / rate['transformers']:.2f}x", flush=True)
+          f"{ratio_text(times['transformers'], times['ours'], 'ours/transformers')}", flush=True)
     out = {"train_ours": rate["ours"], "train_transformers": rate["transformers"]}
     if args.new:
         for m in models.values():
@@ -115,10 +118,11 @@ def main(argv=None):
                    "transformers": lambda: models["transformers"].generate(
                        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new,
                        min_new_tokens=args.new, do_sample=False)}
-            d = interleave(gen, args.repeat)
+            runs = interleave(gen, args.repeat)
+        d = {n: statistics.median(t) for n, t in runs.items()}
         print(f"prefill {args.prompt} + decode {args.new} tokens (B=1, greedy): ours {d['ours'] * 1e3:.0f} ms, "
-              f"transformers {d['transformers'] * 1e3:.0f} ms: ours {d['transformers'] / d['ours']:.2f}x faster",
-              flush=True)
+              f"transformers {d['transformers'] * 1e3:.0f} ms: "
+              f"{ratio_text(runs['transformers'], runs['ours'], 'faster (ours)')}", flush=True)
         out.update(decode_ours_s=d["ours"], decode_transformers_s=d["transformers"])
     return out
 

@@ -10,8 +10,10 @@ train.batch_size and train.seq_len) and take a warm-up step; then the parent int
 steps: each round runs --steps steps in each worker, REV first in even rounds and last in odd ones, so
 a noisy machine slows both alike. Both train with plain AdamW (lr 1e-3), so only the model code
 differs. Printed per model: ms/step (median of --repeat rounds), tokens/s and REV/now (above 1: the
-working tree is faster). Unchanged code (the attention model, 42bdd08 vs later) read 0.98x and 1.04x
-in two runs on a 2-core box, and 1.08x before the rounds alternated their order: about 5% is noise.
+working tree is faster; the median of the per-round ratios, with bench_nanogpt.median_interval's interval
+for it: an interval that holds 1.00 has not shown a difference). Unchanged code (the attention model,
+42bdd08 vs later) read 0.98x and 1.04x in two runs on a 2-core box, and 1.08x before the rounds
+alternated their order: about 5% is noise.
 """
 import argparse
 import json
@@ -26,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_nanogpt import add_shape_args, check_args, hybrid_layers  # noqa: E402
+from bench_nanogpt import add_shape_args, check_args, hybrid_layers, median_interval, ratio_text  # noqa: E402
 from config import load_config, read_yaml  # noqa: E402
 from model import ConfigError  # noqa: E402
 
@@ -145,10 +147,12 @@ def main(argv=None):
                 for w in workers:
                     w.close()
             old, new = statistics.median(times[args.against]), statistics.median(times["now"])
-            results[name] = old / new
+            results[name] = median_interval([a / b for a, b in zip(times[args.against], times["now"])])[0]
             print(f"{name} (B={B} T={T}): {args.against} {old * 1e3:8.1f} ms/step ({B * T / old:7,.0f} tok/s)   now "
-                  f"{new * 1e3:8.1f} ms/step ({B * T / new:7,.0f} tok/s)   {args.against}/now {old / new:5.2f}x",
-                  flush=True)
+                  f"{new * 1e3:8.1f} ms/step ({B * T / new:7,.0f} tok/s)   "
+                  f"{ratio_text(times[args.against], times['now'], f'({args.against}/now)')}", flush=True)
+    print(f"(x: the median of the {args.repeat} per-round ratios; [low, high]: a "
+          f"{median_interval([0] * args.repeat)[3]:.1%} distribution-free interval for it)")
     return results
 
 

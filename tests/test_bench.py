@@ -24,6 +24,16 @@ def test_nanogpt_baseline_learns_and_bench_reports_every_kind():
     assert set(rates) == {"nanogpt", "attn", "attn_nope", "kda"} and all(r > 0 for r in rates.values())
 
 
+def test_median_interval_is_the_binomial_order_statistics():
+    """The interval the benches print around a ratio: x_(k), x_(n+1-k) with the largest k whose coverage
+    1 - 2 P(Bin(n, 1/2) < k) is >= 95% (n = 15: k = 4, 1 - 2 * 576 / 2**15); the range below 6 values."""
+    med, low, high, cover = bench_nanogpt.median_interval([15 - i for i in range(15)])   # 15 .. 1, unsorted
+    assert (med, low, high) == (8, 4, 12) and cover == pytest.approx(1 - 2 * 576 / 2 ** 15)
+    assert bench_nanogpt.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (3.0, 1.0, 5.0, 1 - 2 / 2 ** 5)
+    assert bench_nanogpt.median_interval(range(100))[1:3] == (39, 60)                   # x_(40), x_(61)
+    assert bench_nanogpt.ratio_text([2.0, 3.0, 4.0], [1.0, 1.0, 2.0], "b") == " 2.00x b [2.00, 3.00]"
+
+
 def test_bench_model_counts_activations_not_parameters():
     """What a training step keeps for backward is affine in the batch: the activations grow with it and
     a constant part (the concatenated q|k|v and gate|up weights, built per step) does not; parameters,
