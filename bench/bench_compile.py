@@ -3,7 +3,8 @@
 For each model (the embedded default config, then one-kind models at the bench_nanogpt shape), two copies
 with the same weights train on the same batch: eager, and torch.compile(model) as train.py does with
 `train.compile: true` (Inductor). Printed: the compile time (the first compiled step, minus an eager
-step), the graph breaks Dynamo counted, tokens/s of both (median over interleaved repeats) and the ratio.
+step), the graph breaks Dynamo counted, tokens/s of both (median over interleaved repeats) and the ratio
+(the median of the per-repeat ratios, with bench_nanogpt.median_interval's interval for it).
 
     python bench/bench_compile.py --threads 1                           # default model + attn kda gdn linear mla
     python bench/bench_compile.py --models default kda --steps 2 --repeat 3
@@ -24,7 +25,7 @@ from model import GPT  # noqa: E402
 from train import make_optimizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_nanogpt import hybrid_config  # noqa: E402
+from bench_nanogpt import hybrid_config, ratio_text  # noqa: E402
 
 
 def step(model, opt, x, y):
@@ -62,8 +63,8 @@ def bench(name, mc, B, T, steps, repeat, lr=1e-3):
             rates[n].append(steps * B * T / (time.perf_counter() - t0))
     e, c = statistics.median(rates["eager"]), statistics.median(rates["compiled"])
     print(f"{name:>8} (B={B} T={T}): compile {t_compile:5.0f} s, {breaks} graph breaks, first loss eager "
-          f"{loss_e:.5f} compiled {loss_c:.5f}; eager {e:7,.0f} tok/s, compiled {c:7,.0f} tok/s: {c / e:.2f}x",
-          flush=True)
+          f"{loss_e:.5f} compiled {loss_c:.5f}; eager {e:7,.0f} tok/s, compiled {c:7,.0f} tok/s: "
+          f"{ratio_text(rates['compiled'], rates['eager'], '(compiled/eager)')}", flush=True)
     return dict(compile_s=t_compile, graph_breaks=breaks, eager=e, compiled=c)
 
 
