@@ -12,6 +12,7 @@ a ratio whose interval straddles a target has not shown it either way.
     python bench/bench_nanogpt.py                                  # dense attention vs the baseline
     python bench/bench_nanogpt.py --kinds attn kda gdn mla --threads 1
     python bench/bench_nanogpt.py --kinds attn attn_nope --threads 1   # what RoPE costs
+    python bench/bench_nanogpt.py --kinds attn kda --threads 1 --compile   # every model compiled, the baseline too
     python bench/bench_nanogpt.py --steps 2 --repeat 1 --T 32 --B 2   # a quick smoke run
 """
 import argparse
@@ -179,6 +180,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
     p.add_argument("--repeat", type=int, default=5, help="interleaved repeats (median reported)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every model, the baseline too (nanoGPT's train.py compiles by default)")
     args = parse_checked(p, argv)
     if args is None:
         return 2
@@ -192,18 +195,22 @@ def main(argv=None):
         opts[kind] = make_optimizer(models[kind], TrainConfig(lr=lr))
     x = torch.randint(0, args.vocab, (args.B, args.T))
     y = torch.roll(x, -1, dims=1)
-    for name in models:                                           # warm-up
-        train_step(models[name], opts[name], x, y)
+    run = {name: torch.compile(m) if args.compile else m for name, m in models.items()}
+    for name in models:                                           # warm-up (with --compile: the compile)
+        t0 = time.perf_counter()
+        train_step(run[name], opts[name], x, y)
+        if args.compile:
+            print(f"{name}: compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     rates = {name: [] for name in models}
     for _ in range(args.repeat):
         for name in models:
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                train_step(models[name], opts[name], x, y)
+                train_step(run[name], opts[name], x, y)
             rates[name].append(args.steps * args.B * args.T / (time.perf_counter() - t0))
     print(f"training tokens/s, d={args.d} layers={args.layers} heads={args.heads} T={args.T} B={args.B} "
-          f"vocab={args.vocab} fp32, threads={torch.get_num_threads()}, median of {args.repeat} interleaved "
-          f"repeats of {args.steps} steps")
+          f"vocab={args.vocab} fp32, {'torch.compile (inductor)' if args.compile else 'eager'}, "
+          f"threads={torch.get_num_threads()}, median of {args.repeat} interleaved repeats of {args.steps} steps")
     for name, r in rates.items():
         params = sum(q.numel() for q in models[name].parameters()) / 1e6
         vs_attn = ""

@@ -191,6 +191,16 @@ def test_compile_bench_runs():
     assert out["linear"]["graph_breaks"] == 0 and out["linear"]["compiled"] > 0
 
 
+@pytest.mark.slow
+def test_nanogpt_bench_compiles_every_model(capsys):
+    """--compile: the baseline and each kind train compiled, side by side, and say how long each compile took."""
+    rates = bench_nanogpt.main(["--kinds", "attn", "--d", "32", "--heads", "2", "--layers", "1", "--T", "16",
+                                "--B", "2", "--steps", "1", "--repeat", "1", "--vocab", "17", "--compile"])
+    out = capsys.readouterr().out
+    assert set(rates) == {"nanogpt", "attn"} and all(r > 0 for r in rates.values())
+    assert "nanogpt: compiled in" in out and "attn: compiled in" in out and "torch.compile (inductor)" in out
+
+
 def test_compile_sm90_compiles_recorded_launches_and_fails_loudly(tmp_path):
     """Launches recorded under the interpreter compile for sm_90 without a GPU (ptxas ships with triton):
     the paged decode kernel with and without sinks (with sinks it read a plain-float global, which only
