@@ -90,18 +90,25 @@ def nano_optimizer(model, lr):
                              lr=lr, betas=(0.9, 0.95))
 
 
-def median_interval(values, level=0.95):
-    """(median, low, high, coverage): the median of `values` and a distribution-free interval for the median
-    of what they are draws of: the order statistics x_(k) and x_(n+1-k), with the largest k whose coverage
-    1 - 2 P(Binomial(n, 1/2) < k) is at least `level` (15 values: x_(4), x_(12), 96.5%). With fewer than 6
-    values no interval reaches 95%: the range, and its coverage (5 values: 93.8%)."""
-    x, n = sorted(values), len(values)
+def _order_statistic(n, level=0.95):
+    """(k, coverage): the largest k whose order statistics x_(k), x_(n+1-k) of n draws hold their median with
+    probability 1 - 2 P(Binomial(n, 1/2) < k) >= level; k = 1 (the range) when none does."""
     k, coverage = 1, 1 - 2 * 0.5 ** n
     for j in range(2, n // 2 + 1):
         c = 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2 ** n
         if c < level:
             break
         k, coverage = j, c
+    return k, coverage
+
+
+def median_interval(values, level=0.95):
+    """(median, low, high, coverage): the median of `values` and a distribution-free interval for the median
+    of what they are draws of: the order statistics x_(k) and x_(n+1-k) of _order_statistic (15 values: x_(4),
+    x_(12), 96.5%). With fewer than 6 values no interval reaches 95%: the range, and its coverage (5 values:
+    93.8%)."""
+    x, n = sorted(values), len(values)
+    k, coverage = _order_statistic(n, level)
     return statistics.median(x), x[k - 1], x[n - k], coverage
 
 
@@ -110,6 +117,12 @@ def ratio_text(nums, dens, name):
     interval (paired repeats, so a slow minute that slows both cancels)."""
     mid, low, high, _ = median_interval([a / b for a, b in zip(nums, dens)])
     return f"{mid:5.2f}x {name} [{low:.2f}, {high:.2f}]"
+
+
+def ratio_note(n):
+    """The line under a table of ratio_text figures over n repeats."""
+    return (f"(ratios: the median of the {n} per-repeat ratios; [low, high]: a {_order_statistic(n)[1]:.1%} "
+            f"distribution-free interval for it)")
 
 
 def hybrid_config(kind, args):
@@ -219,9 +232,7 @@ def main(argv=None):
         vs_base = "the baseline" if name == "nanogpt" else ratio_text(r, rates["nanogpt"], "nanogpt")
         print(f"{name:>9}: {statistics.median(r):9,.0f} tok/s  {vs_base}{vs_attn}  "
               f"({params:.2f}M params)", flush=True)
-    coverage = median_interval(rates["nanogpt"])[3]
-    print(f"(ratios: the median of the {args.repeat} per-repeat ratios; [low, high]: a {coverage:.1%} "
-          f"distribution-free interval for it)")
+    print(ratio_note(args.repeat))
     return {name: statistics.median(r) for name, r in rates.items()}
 
 

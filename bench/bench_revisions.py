@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_nanogpt import add_shape_args, check_args, hybrid_layers, median_interval, ratio_text  # noqa: E402
+from bench_nanogpt import add_shape_args, check_args, hybrid_layers, ratio_note, ratio_text  # noqa: E402
 from config import load_config, read_yaml  # noqa: E402
 from model import ConfigError  # noqa: E402
 
@@ -147,12 +147,11 @@ def main(argv=None):
                 for w in workers:
                     w.close()
             old, new = statistics.median(times[args.against]), statistics.median(times["now"])
-            results[name] = median_interval([a / b for a, b in zip(times[args.against], times["now"])])[0]
+            results[name] = statistics.median(a / b for a, b in zip(times[args.against], times["now"]))
             print(f"{name} (B={B} T={T}): {args.against} {old * 1e3:8.1f} ms/step ({B * T / old:7,.0f} tok/s)   now "
                   f"{new * 1e3:8.1f} ms/step ({B * T / new:7,.0f} tok/s)   "
                   f"{ratio_text(times[args.against], times['now'], f'({args.against}/now)')}", flush=True)
-    print(f"(x: the median of the {args.repeat} per-round ratios; [low, high]: a "
-          f"{median_interval([0] * args.repeat)[3]:.1%} distribution-free interval for it)")
+    print(ratio_note(args.repeat))
     return results
 
 
