@@ -147,6 +147,17 @@ def pair_table(values, metric):
     return "\n".join(lines)
 
 
+def chosen_variants(sweeps, only):
+    """--only's comma-separated variants as a list (None: all); a name in none of the sweeps is a ValueError."""
+    only = only and only.split(",")
+    variants = list(dict.fromkeys(v for sweep in sweeps for v in sweep["variants"]))
+    unknown = [v for v in only or () if v not in variants]
+    if unknown:
+        where = "this sweep" if len(sweeps) == 1 else "these sweeps"
+        raise ValueError(f"--only {','.join(unknown)}: not a variant of {where} ({', '.join(variants)})")
+    return only
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweeps", nargs="+", metavar="sweep",
@@ -165,12 +176,7 @@ def main(argv=None):
         if args.at_step is not None and args.metric is not None:
             raise ValueError("--at_step compares the selection metric at a step; give it or --metric, not both")
         sweeps = [ablate.load_sweep(path) for path in args.sweeps]
-        only = args.only and args.only.split(",")
-        variants = list(dict.fromkeys(v for sweep in sweeps for v in sweep["variants"]))
-        unknown = [v for v in only or () if v not in variants]
-        if unknown:
-            where = "this sweep" if len(sweeps) == 1 else "these sweeps"
-            raise ValueError(f"--only {','.join(unknown)}: not a variant of {where} ({', '.join(variants)})")
+        only = chosen_variants(sweeps, args.only)
         values, metric = pooled_values(sweeps, only, args.metric, args.at_step)
     except (ablate.SweepError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -318,3 +318,36 @@ def test_mix_order_finds_the_first_step_each_setting_reaches_each_threshold(tmp_
     assert "no eval rows in metrics.jsonl" in capsys.readouterr().err
     assert mix_order.main([str(tmp_path / "a"), "--target", "512"]) == 2
     assert "--target: <length>x<pairs>" in capsys.readouterr().err
+
+
+def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
+    """Variants that differ in train.seq_len form one series per layer pattern: each variant at its best lr
+    (attn at 24: 1e-3 by the end, 3e-3 by step 5), per length the mean ± std of its seeds, and each pair of
+    series' difference with its permutation p (three seeds all above three others: 2 / C(6, 3) = 0.1)."""
+    from studies import seed_stats, trained_length
+    body = SWEEP.replace("seeds: [0]", "seeds: [0, 1, 2]\nlrs: [1.0e-3, 3.0e-3]\nselect: val_acc").replace(
+        "  attn: {}\n  hybrid: {model.pattern: [kda, attn]}\n",
+        "  attn: {}\n  attn_48: {train.seq_len: 48}\n  hybrid: {model.pattern: [kda, attn]}\n"
+        "  hybrid_48: {model.pattern: [kda, attn], train.seq_len: 48}\n  twin: {}\n")
+    sweep = ablate.load_sweep(write_sweep(tmp_path, body))
+    plant_seed_results(sweep, {("attn", 1e-3): [0.9, 0.95, 1.0], ("attn", 3e-3): [0.1, 0.2, 0.3],
+                               ("attn_48", 1e-3): [0.5, 0.6, 0.7], ("hybrid", 1e-3): [0.1, 0.2, 0.3],
+                               ("hybrid_48", 1e-3): [0.6, 0.7, 0.8], ("twin", 1e-3): [0.5, 0.5, 0.5]})
+    png = str(tmp_path / "len.png")
+    assert trained_length.main([sweep["path"], "--only", "attn,attn_48,hybrid,hybrid_48", "--out", png]) == 0
+    out = capsys.readouterr().out
+    assert "| series | T = 24 | T = 48 |" in out
+    assert "| attn | 0.950 ± 0.050 (3) | 0.600 ± 0.100 (3) |" in out, out
+    assert "| kda+attn | 0.200 ± 0.100 (3) | 0.700 ± 0.100 (3) |" in out, out
+    assert "| attn - kda+attn | +0.750, p 0.100 | -0.100, p 0.500 |" in out, out
+    assert seed_stats.permutation_p([0.5, 0.6, 0.7], [0.6, 0.7, 0.8]) == 0.5
+    assert os.path.getsize(png) > 1000
+    # at a training step, each variant at its best lr there (attn at 24: 3e-3's 0.6, 0.7, 0.8 at step 5)
+    assert trained_length.main([sweep["path"], "--only", "attn,hybrid", "--at_step", "5"]) == 0
+    assert "| attn | 0.700 ± 0.100 (3) |" in capsys.readouterr().out
+    # two variants of one pattern at one length cannot share a cell; nothing chosen is one line too
+    assert trained_length.main([sweep["path"], "--only", "attn,twin"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: two variants train attn at T = 24 (twin in {sweep['path']} "
+                                               "is the second): pick one with --only")
+    assert trained_length.main([sweep["path"], "--only", "attn,nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: --only nope: not a variant of this sweep (attn, attn_48, ")
