@@ -27,7 +27,7 @@ def series_name(cfg):
 
 
 def by_length(sweeps, only=None, step=None):
-    """({series: {train.seq_len: [the metric of each seed]}}, (metric name, higher is better)) over the
+    """({series: {train.seq_len: {seed: its metric}}}, (metric name, higher is better)) over the
     finished runs of the sweeps' variants (those in `only`, if given), each variant at its best lr."""
     out, metric = {}, None
     for sweep in sweeps:
@@ -41,13 +41,14 @@ def by_length(sweeps, only=None, step=None):
             if T in out.setdefault(series, {}):
                 raise ValueError(f"two variants train {series} at T = {T} ({variant} in {sweep['path']} is the "
                                  "second): pick one with --only")
-            out[series][T] = list(by_seed.values())
+            out[series][T] = by_seed
     return out, metric
 
 
 def tables(values, metric):
     lengths = sorted({T for cells in values.values() for T in cells})
     head = "| series | " + " | ".join(f"T = {T}" for T in lengths) + " |\n|" + "---|" * (len(lengths) + 1) + "\n"
+    values = {s: {T: list(by_seed.values()) for T, by_seed in cells.items()} for s, cells in values.items()}
     rows = [f"| {s} | " + " | ".join(f"{ablate.mean(c[T]):.3f} ± {ablate.std(c[T]):.3f} ({len(c[T])})" if T in c
                                      else "–" for T in lengths) + " |" for s, c in values.items()]
     pairs = []
@@ -66,9 +67,10 @@ def plot(values, metric, path, step=None):
     for i, (series, cells) in enumerate(values.items()):
         lengths = sorted(cells)
         colour = f"C{i}"
-        ax.plot(lengths, [ablate.mean(cells[T]) for T in lengths], "o-", color=colour, lw=2.2, label=series)
-        for seed in range(max(len(c) for c in cells.values())):
-            seen = [T for T in lengths if seed < len(cells[T])]
+        ax.plot(lengths, [ablate.mean(list(cells[T].values())) for T in lengths], "o-", color=colour, lw=2.2,
+                label=series)
+        for seed in sorted({seed for by_seed in cells.values() for seed in by_seed}):
+            seen = [T for T in lengths if seed in cells[T]]
             ax.plot(seen, [cells[T][seed] for T in seen], "-", color=colour, lw=0.6, alpha=0.45)
     ax.set_title(f"{metric[0]} " + (f"at step {step}" if step is not None else "at the end of training"), fontsize=9)
     return save_accuracy_plot(fig, ax, path, "training length T", metric[0], sorted({T for c in values.values() for T in c}))

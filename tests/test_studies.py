@@ -341,6 +341,8 @@ def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
     assert "| kda+attn | 0.200 ± 0.100 (3) | 0.700 ± 0.100 (3) |" in out, out
     assert "| attn - kda+attn | +0.750, p 0.100 | -0.100, p 0.500 |" in out, out
     assert seed_stats.permutation_p([0.5, 0.6, 0.7], [0.6, 0.7, 0.8]) == 0.5
+    values, metric = trained_length.by_length([sweep], ["attn", "attn_48"])   # each seed's value under its seed
+    assert values == {"attn": {24: {0: 0.9, 1: 0.95, 2: 1.0}, 48: {0: 0.5, 1: 0.6, 2: 0.7}}} and metric[0] == "val_acc"
     assert os.path.getsize(png) > 1000
     # at a training step, each variant at its best lr there (attn at 24: 3e-3's 0.6, 0.7, 0.8 at step 5)
     assert trained_length.main([sweep["path"], "--only", "attn,hybrid", "--at_step", "5"]) == 0
