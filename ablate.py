@@ -58,9 +58,10 @@ import concurrent.futures
 import json
 import math
 import os
+import signal
 import sys
 import time
-
+from concurrent.futures.process import BrokenProcessPool
 
 import cost
 import evals
@@ -487,6 +488,7 @@ def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1, seeds=None):
                     progress(run, None, why)
                 else:
                     futures[pool.submit(_job, sweep, variant, lr, seed)] = run
+        relay = _SignalRelay(pool)
         try:
             submit_ready()
             while futures:
@@ -494,12 +496,47 @@ def run_sweep(sweep, stop_at=None, log=print, only=None, jobs=1, seeds=None):
                 for fut in finished:
                     run = futures.pop(fut)
                     progress(run, *fut.result())
+                if relay.received:
+                    raise SweepStopped
                 submit_ready()
-        except (KeyboardInterrupt, SweepStopped):  # Ctrl-C reaches every worker: each saves and stops
+        except (KeyboardInterrupt, SweepStopped, BrokenProcessPool) as e:
+            if isinstance(e, BrokenProcessPool) and not relay.received:
+                raise                             # a worker died of something else than a signal we passed on
+            # each worker got the signal too and saves and stops (one still starting up dies of it, and the
+            # broken pool then sends the others SIGTERM, which they take as a stop as well)
             log("stopping: the running runs finish their step and save a checkpoint; no new run starts")
             pool.shutdown(wait=True, cancel_futures=True)
             raise SweepStopped("stopped by a signal: runs without result.json resume from their checkpoint; "
                                "rerun the same command to continue the sweep") from None
+        finally:
+            relay.restore()
+
+
+class _SignalRelay:
+    """SIGTERM / SIGUSR1 sent to the sweep's process alone (`kill PID`, a job scheduler), while `pool` runs:
+    passed on to its worker processes, whose runs then finish their step, save and stop (train.StopSignal),
+    and `received` lists it, so that no new run starts. Ctrl-C reaches the workers itself (one process group).
+    Without this the parent died at once and its workers trained on to the end, then hung."""
+
+    def __init__(self, pool):
+        self.pool, self.received, self.old = pool, [], {}
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                self.old[s] = signal.signal(s, self.pass_on)
+            except ValueError:  # not the main thread: no handlers
+                pass
+
+    def pass_on(self, signum, frame):
+        self.received.append(signum)
+        for proc in list((getattr(self.pool, "_processes", None) or {}).values()):
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:  # it has just exited
+                pass
+
+    def restore(self):
+        for s, h in self.old.items():
+            signal.signal(s, h)
 
 
 def stage_blocked(sweep, variant, seed, lr=None):

@@ -389,6 +389,40 @@ def test_sweep_jobs_ctrl_c_is_one_line_and_starts_nothing_new(tmp_path, capsys, 
 
 
 
+def test_sweep_jobs_sigterm_to_the_parent_alone_stops_every_run(tmp_path):
+    """`kill PID` (SIGTERM to the sweep's process only, as a scheduler or a user sends it) under --jobs: the
+    parent died at once and its workers trained their runs to the end, wrote result.json, then hung forever.
+    Now the parent passes the signal on: each run finishes its step and saves, none is recorded, exit 0."""
+    import signal
+    import subprocess
+    import time
+    from config import ROOT
+    from test_ux import wait_for_steps
+    raw = json.loads(json.dumps(MQAR_RAW))
+    raw["train"].update(max_steps=100_000, batch_size=2, eval_interval=100_000, eval_batches=1, warmup_steps=1,
+                        ckpt_interval=100_000, log_interval=1)
+    path = sweep_file(tmp_path, "s.yaml", raw, variants={v: {} for v in "abc"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "ablate.py"), path, "--jobs", "2"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = [tmp_path / "runs" / f"{v}-s0" for v in "ab"]
+    for run in runs:
+        wait_for_steps(p, run)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert out.strip().splitlines()[-1] == ("stopped by a signal: runs without result.json resume from their "
+                                            "checkpoint; rerun the same command to continue the sweep"), out + err
+    assert "Traceback" not in err
+    sizes = [(run / "metrics.jsonl").stat().st_size for run in runs]
+    time.sleep(2)                                           # nothing trains on after the sweep has exited
+    assert [(run / "metrics.jsonl").stat().st_size for run in runs] == sizes
+    for run in runs:
+        files = os.listdir(run)
+        assert "result.json" not in files and any(f.startswith("ckpt_") for f in files), files
+    assert not (tmp_path / "runs" / "c-s0").exists()        # the third run never started
+
+
 # ----------------------------------------------------------------------------------------------
 # evals.py
 
