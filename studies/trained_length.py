@@ -46,13 +46,14 @@ def by_length(sweeps, only=None, step=None):
 
 
 def tables(values, metric):
+    """by_length()'s values as two markdown tables: each series per length, each pair's difference and p."""
     lengths = sorted({T for cells in values.values() for T in cells})
     head = "| series | " + " | ".join(f"T = {T}" for T in lengths) + " |\n|" + "---|" * (len(lengths) + 1) + "\n"
-    values = {s: {T: list(by_seed.values()) for T, by_seed in cells.items()} for s, cells in values.items()}
+    seeds = {s: {T: list(by_seed.values()) for T, by_seed in cells.items()} for s, cells in values.items()}
     rows = [f"| {s} | " + " | ".join(f"{ablate.mean(c[T]):.3f} ± {ablate.std(c[T]):.3f} ({len(c[T])})" if T in c
-                                     else "–" for T in lengths) + " |" for s, c in values.items()]
+                                     else "–" for T in lengths) + " |" for s, c in seeds.items()]
     pairs = []
-    for (a, ca), (b, cb) in itertools.combinations(values.items(), 2):
+    for (a, ca), (b, cb) in itertools.combinations(seeds.items(), 2):
         cells = [f"{ablate.mean(ca[T]) - ablate.mean(cb[T]):+.3f}, p {permutation_p(ca[T], cb[T]):.3f}"
                  if T in ca and T in cb else "–" for T in lengths]
         pairs.append(f"| {a} - {b} | " + " | ".join(cells) + " |")
