@@ -3,7 +3,7 @@ tasks this way): the variants of sweeps that differ in train.seq_len, one series
 kda+attn, ...) with x = train.seq_len. Each variant at its best lr (ablate.py's selection), the selection metric
 of its seeds at the end or at training step --at_step (studies/seed_stats.py's values). Prints a markdown table
 (mean ± std and seeds per length), each pair of series' difference of means at each length with its permutation
-p, and plots the mean (thick) and every seed (thin).
+p, and plots the mean (thick) and every seed (thin). A variant in several sweep files pools its seeds.
 
     python studies/trained_length.py sweeps/palindrome_length.yaml --at_step 1000 \
         --out docs/palindrome_acc_vs_length.png
@@ -28,20 +28,31 @@ def series_name(cfg):
 
 def by_length(sweeps, only=None, step=None):
     """({series: {train.seq_len: {seed: its metric}}}, (metric name, higher is better)) over the
-    finished runs of the sweeps' variants (those in `only`, if given), each variant at its best lr."""
-    out, metric = {}, None
+    finished runs of the sweeps' variants (those in `only`, if given), each variant at its best lr in each
+    sweep. A variant in several sweeps pools its seeds (seed_stats.py's rule: no seed twice); two variants
+    of one pattern at one length cannot share a cell."""
+    out, owner, metric = {}, {}, None
     for sweep in sweeps:
         mine = [v for v in only or sweep["variants"] if v in sweep["variants"]]
         if not mine:
             continue
-        values, metric = seed_values(sweep, mine, step=step)
+        values, m = seed_values(sweep, mine, step=step)
+        if metric not in (None, m):
+            raise ValueError(f"{sweep['path']} compares {m[0]} and an earlier sweep {metric[0]}: "
+                             "give sweeps of one metric")
+        metric = m
         for variant, (_, by_seed) in values.items():
             cfg = ablate.config_for(sweep, variant, seed=0)
             series, T = series_name(cfg), cfg.train.seq_len
-            if T in out.setdefault(series, {}):
+            if owner.setdefault((series, T), variant) != variant:
                 raise ValueError(f"two variants train {series} at T = {T} ({variant} in {sweep['path']} is the "
                                  "second): pick one with --only")
-            out[series][T] = by_seed
+            cell = out.setdefault(series, {}).setdefault(T, {})
+            for seed, x in by_seed.items():
+                if seed in cell:
+                    raise ValueError(f"{variant} seed {seed} is in {owner[series, T, seed]} and {sweep['path']}: "
+                                     "pooled sweeps need distinct seeds")
+                cell[seed], owner[series, T, seed] = x, sweep["path"]
     return out, metric
 
 

@@ -323,7 +323,8 @@ def test_mix_order_finds_the_first_step_each_setting_reaches_each_threshold(tmp_
 def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
     """Variants that differ in train.seq_len form one series per layer pattern: each variant at its best lr
     (attn at 24: 1e-3 by the end, 3e-3 by step 5), per length the mean ± std of its seeds, and each pair of
-    series' difference with its permutation p (three seeds all above three others: 2 / C(6, 3) = 0.1)."""
+    series' difference with its permutation p (three seeds all above three others: 2 / C(6, 3) = 0.1); a
+    variant in two sweeps pools its seeds."""
     from studies import seed_stats, trained_length
     body = SWEEP.replace("seeds: [0]", "seeds: [0, 1, 2]\nlrs: [1.0e-3, 3.0e-3]\nselect: val_acc").replace(
         "  attn: {}\n  hybrid: {model.pattern: [kda, attn]}\n",
@@ -353,3 +354,15 @@ def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
                                                "is the second): pick one with --only")
     assert trained_length.main([sweep["path"], "--only", "attn,nope"]) == 2
     assert capsys.readouterr().err.startswith("error: --only nope: not a variant of this sweep (attn, attn_48, ")
+    # a variant in two sweeps pools its seeds (seeds 3 and 4 held out, at their own best lr); a seed twice is one line
+    os.makedirs(tmp_path / "held_out")
+    held_out = ablate.load_sweep(write_sweep(tmp_path / "held_out", SWEEP.replace(
+        "seeds: [0]", "seeds: [3, 4]\nlrs: [3.0e-3]\nselect: val_acc")))
+    plant_seed_results(held_out, {("attn", 3e-3): [0.8, 0.85]}, first_seed=3)
+    values, _ = trained_length.by_length([sweep, held_out], ["attn", "attn_48"])
+    assert values == {"attn": {24: {0: 0.9, 1: 0.95, 2: 1.0, 3: 0.8, 4: 0.85}, 48: {0: 0.5, 1: 0.6, 2: 0.7}}}
+    assert trained_length.main([sweep["path"], held_out["path"], "--only", "attn,hybrid"]) == 0
+    assert "| attn | 0.900 ± 0.079 (5) |" in capsys.readouterr().out
+    assert trained_length.main([sweep["path"], sweep["path"], "--only", "attn"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: attn seed 0 is in {sweep['path']} and {sweep['path']}: "
+                                               "pooled sweeps need distinct seeds")
