@@ -83,7 +83,8 @@ def plot(values, metric, path, step=None):
                 label=series)
         for seed in sorted({seed for by_seed in cells.values() for seed in by_seed}):
             seen = [T for T in lengths if seed in cells[T]]
-            ax.plot(seen, [cells[T][seed] for T in seen], "-", color=colour, lw=0.6, alpha=0.45)
+            # a dot on each value, so a seed run at one length only shows too
+            ax.plot(seen, [cells[T][seed] for T in seen], ".-", color=colour, lw=0.6, ms=3, alpha=0.45)
     ax.set_title(f"{metric[0]} " + (f"at step {step}" if step is not None else "at the end of training"), fontsize=9)
     return save_accuracy_plot(fig, ax, path, "training length T", metric[0], sorted({T for c in values.values() for T in c}))
 
