@@ -325,6 +325,7 @@ def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
     (attn at 24: 1e-3 by the end, 3e-3 by step 5), per length the mean ± std of its seeds, and each pair of
     series' difference with its permutation p (three seeds all above three others: 2 / C(6, 3) = 0.1); a
     variant in two sweeps pools its seeds."""
+    import json
     from studies import seed_stats, trained_length
     body = SWEEP.replace("seeds: [0]", "seeds: [0, 1, 2]\nlrs: [1.0e-3, 3.0e-3]\nselect: val_acc").replace(
         "  attn: {}\n  hybrid: {model.pattern: [kda, attn]}\n",
@@ -366,3 +367,17 @@ def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
     assert trained_length.main([sweep["path"], sweep["path"], "--only", "attn"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: attn seed 0 is in {sweep['path']} and {sweep['path']}: "
                                                "pooled sweeps need distinct seeds")
+    # sweeps that select by different metrics cannot share a table
+    os.makedirs(tmp_path / "by_loss")
+    by_loss = ablate.load_sweep(write_sweep(tmp_path / "by_loss",
+                                            SWEEP.replace("seeds: [0]", "seeds: [5]\nselect: val_loss")))
+    plant_seed_results(by_loss, {("attn", None): [0.8]}, first_seed=5)
+    done = os.path.join(ablate.run_dir(by_loss, "attn", 5), "result.json")
+    with open(done) as f:
+        result = json.load(f)
+    result["final"]["val_loss"] = 1.0
+    with open(done, "w") as f:
+        json.dump(result, f)
+    assert trained_length.main([sweep["path"], by_loss["path"], "--only", "attn"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {by_loss['path']} compares val_loss and an earlier sweep "
+                                               "val_acc: give sweeps of one metric")
