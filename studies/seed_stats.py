@@ -97,26 +97,25 @@ def seed_values(sweep, only=None, name=None, step=None):
 
 def pooled_values(sweeps, only=None, name=None, step=None):
     """seed_values of several sweeps (each variant at its best lr in each), a variant's seeds pooled:
-    {variant: ([its lr in each sweep that has it], [values])}, (name, higher is better). The sweeps must
+    {variant: ([its lr in each sweep that has it], {seed: value})}, (name, higher is better). The sweeps must
     compare the same metric and may not train a variant on one seed twice."""
-    pooled, origin, metric = {}, {}, None
+    pooled, origin, metric, metric_of = {}, {}, None, None
     for sweep in sweeps:
         mine = [v for v in only or sweep["variants"] if v in sweep["variants"]]
         if not mine:
             continue
         values, m = seed_values(sweep, mine, name, step)
         if metric not in (None, m):
-            raise ValueError(f"{sweep['path']} compares {m[0]} and {sweeps[0]['path']} {metric[0]}: "
-                             "pool sweeps of one metric (--metric picks it)")
-        metric = m
+            raise ValueError(f"{sweep['path']} compares {m[0]} and {metric_of} {metric[0]}: pool sweeps "
+                             "of one metric (their select:, or seed_stats.py's --metric)")
+        metric, metric_of = m, metric_of or sweep["path"]
         for variant, (lr, by_seed) in values.items():
-            lrs, xs = pooled.setdefault(variant, ([], []))
+            lrs, xs = pooled.setdefault(variant, ([], {}))
             for seed, x in by_seed.items():
-                if (variant, seed) in origin:
+                if seed in xs:
                     raise ValueError(f"{variant} seed {seed} is in {origin[variant, seed]} and {sweep['path']}: "
                                      "pooled sweeps need distinct seeds")
-                origin[variant, seed] = sweep["path"]
-                xs.append(x)
+                origin[variant, seed], xs[seed] = sweep["path"], x
             lrs.append(lr)
     return pooled, metric
 
@@ -125,7 +124,8 @@ def variant_table(values, metric, solved=None):
     head = ["variant", "seeds", "lr", f"mean {metric[0]} [95% interval]", "std", "median", "min - max"]
     head += [f"seeds {'>=' if metric[1] else '<='} {solved:g}"] if solved is not None else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for variant, (lrs, xs) in values.items():
+    for variant, (lrs, by_seed) in values.items():
+        xs = list(by_seed.values())
         lo, hi = bootstrap_interval(ablate.mean, [xs])
         lr = " / ".join(dict.fromkeys("–" if lr is None else f"{lr:g}" for lr in lrs))
         cells = [variant, str(len(xs)), lr,
@@ -141,6 +141,7 @@ def variant_table(values, metric, solved=None):
 def pair_table(values, metric):
     lines = [f"| pair | difference of mean {metric[0]} [95% interval] | permutation p |", "|---|---|---|"]
     for (a, (_, xa)), (b, (_, xb)) in itertools.combinations(values.items(), 2):
+        xa, xb = list(xa.values()), list(xb.values())
         lo, hi = bootstrap_interval(lambda x, y: ablate.mean(x) - ablate.mean(y), [xa, xb])
         lines.append(f"| {a} - {b} | {ablate.mean(xa) - ablate.mean(xb):+.3f} [{lo:+.3f}, {hi:+.3f}] | "
                      f"{permutation_p(xa, xb):.3f} |")

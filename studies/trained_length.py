@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ablate  # noqa: E402
 from data.tokens import DataError  # noqa: E402
 from studies import accuracy_axes, save_accuracy_plot  # noqa: E402
-from studies.seed_stats import chosen_variants, permutation_p, seed_values  # noqa: E402
+from studies.seed_stats import chosen_variants, permutation_p, pooled_values  # noqa: E402
 
 
 def series_name(cfg):
@@ -29,30 +29,18 @@ def series_name(cfg):
 def by_length(sweeps, only=None, step=None):
     """({series: {train.seq_len: {seed: its metric}}}, (metric name, higher is better)) over the
     finished runs of the sweeps' variants (those in `only`, if given), each variant at its best lr in each
-    sweep. A variant in several sweeps pools its seeds (seed_stats.py's rule: no seed twice); two variants
-    of one pattern at one length cannot share a cell."""
-    out, owner, metric = {}, {}, None
-    for sweep in sweeps:
-        mine = [v for v in only or sweep["variants"] if v in sweep["variants"]]
-        if not mine:
-            continue
-        values, m = seed_values(sweep, mine, step=step)
-        if metric not in (None, m):
-            raise ValueError(f"{sweep['path']} compares {m[0]} and an earlier sweep {metric[0]}: "
-                             "give sweeps of one metric")
-        metric = m
-        for variant, (_, by_seed) in values.items():
-            cfg = ablate.config_for(sweep, variant, seed=0)
-            series, T = series_name(cfg), cfg.train.seq_len
-            if owner.setdefault((series, T), variant) != variant:
-                raise ValueError(f"two variants train {series} at T = {T} ({variant} in {sweep['path']} is the "
-                                 "second): pick one with --only")
-            cell = out.setdefault(series, {}).setdefault(T, {})
-            for seed, x in by_seed.items():
-                if seed in cell:
-                    raise ValueError(f"{variant} seed {seed} is in {owner[series, T, seed]} and {sweep['path']}: "
-                                     "pooled sweeps need distinct seeds")
-                cell[seed], owner[series, T, seed] = x, sweep["path"]
+    sweep, its seeds pooled over the sweeps (seed_stats.pooled_values); two variants of one pattern at one
+    length cannot share a cell."""
+    pooled, metric = pooled_values(sweeps, only, step=step)
+    out = {}
+    for variant, (_, by_seed) in pooled.items():
+        sweep = next(s for s in sweeps if variant in s["variants"])
+        cfg = ablate.config_for(sweep, variant, seed=0)
+        series, T = series_name(cfg), cfg.train.seq_len
+        if T in out.setdefault(series, {}):
+            raise ValueError(f"two variants train {series} at T = {T} ({variant} in {sweep['path']} is the "
+                             "second): pick one with --only")
+        out[series][T] = by_seed
     return out, metric
 
 

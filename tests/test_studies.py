@@ -379,5 +379,6 @@ def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
     with open(done, "w") as f:
         json.dump(result, f)
     assert trained_length.main([sweep["path"], by_loss["path"], "--only", "attn"]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: {by_loss['path']} compares val_loss and an earlier sweep "
-                                               "val_acc: give sweeps of one metric")
+    assert capsys.readouterr().err.strip() == (f"error: {by_loss['path']} compares val_loss and {sweep['path']} "
+                                               "val_acc: pool sweeps of one metric (their select:, or seed_stats.py's "
+                                               "--metric)")

@@ -388,7 +388,6 @@ def test_sweep_jobs_ctrl_c_is_one_line_and_starts_nothing_new(tmp_path, capsys, 
     assert len(os.listdir(tmp_path / "runs")) <= 3  # 2 running + 1 in the pool's call queue; the rest cancelled
 
 
-
 def test_sweep_jobs_sigterm_to_the_parent_alone_stops_every_run(tmp_path):
     """`kill PID` (SIGTERM to the sweep's process only, as a scheduler or a user sends it) under --jobs: the
     parent died at once and its workers trained their runs to the end, wrote result.json, then hung forever.
