@@ -15,13 +15,17 @@ val_loss):
   least as large; exact over every split when there are at most 200,000, else from 20,000 random ones,
   as (hits + 1) / 20,001).
 Several sweep files pool their seeds: each variant at its best lr in each sweep, its seeds from all of them
-(a held-out batch of seeds next to the one that picked the lr; distinct seeds, one metric).
+(a held-out batch of seeds next to the one that picked the lr; distinct seeds, one metric). A sweep given as
+`path@label` names its variants `variant@label` instead: they pool only with sweeps of the same label, so one
+variant trained in two sweeps (at two lrs, say) is compared with itself rather than pooled.
 Seeded: the same runs give the same numbers.
 
     python studies/seed_stats.py sweeps/mqar_key_width.yaml --only kda_k8,gdn_k8,linear_k8 --solved 0.9
     python studies/seed_stats.py sweeps/mqar_ladder256.yaml --only kda,gdn,linear --metric step
     python studies/seed_stats.py sweeps/palindrome_long.yaml --at_step 500
     python studies/seed_stats.py sweeps/stack_confirm.yaml sweeps/stack_confirm2.yaml --only kda,gdn
+    python studies/seed_stats.py sweeps/palindrome_length.yaml sweeps/palindrome_length256_lr.yaml@1e-3 \
+        --only kda_256,kda_256@1e-3          # one variant at lr 3e-3 (its sweep) against itself at 1e-3
 """
 import argparse
 import itertools
@@ -95,13 +99,30 @@ def seed_values(sweep, only=None, name=None, step=None):
     return out, metric
 
 
-def pooled_values(sweeps, only=None, name=None, step=None):
+def sweep_arg(arg):
+    """A sweep argument, 'path' or 'path@label', as (path, label); '' when unlabelled (or the file exists)."""
+    if "@" not in arg or os.path.exists(arg):
+        return arg, ""
+    path, label = arg.rsplit("@", 1)
+    if not label or "/" in label or "," in label:
+        raise ValueError(f"{arg}: a sweep is 'path' or 'path@label' (a label without '/' or ',')")
+    return path, label
+
+
+def labelled(variant, label):
+    return f"{variant}@{label}" if label else variant
+
+
+def pooled_values(sweeps, only=None, name=None, step=None, labels=None):
     """seed_values of several sweeps (each variant at its best lr in each), a variant's seeds pooled:
     {variant: ([its lr in each sweep that has it], {seed: value})}, (name, higher is better). The sweeps must
-    compare the same metric and may not train a variant on one seed twice."""
+    compare the same metric and may not train a variant on one seed twice. labels[i] (if given and not '')
+    names sweep i's variants variant@label, pooled only with those of sweeps of the same label; only names
+    the variants so."""
     pooled, origin, metric, metric_of = {}, {}, None, None
-    for sweep in sweeps:
-        mine = [v for v in only or sweep["variants"] if v in sweep["variants"]]
+    for sweep, label in zip(sweeps, labels or [""] * len(sweeps)):
+        plain = {labelled(v, label): v for v in sweep["variants"]}
+        mine = [plain[v] for v in only or plain if v in plain]
         if not mine:
             continue
         values, m = seed_values(sweep, mine, name, step)
@@ -110,6 +131,7 @@ def pooled_values(sweeps, only=None, name=None, step=None):
                              "of one metric (their select:, or seed_stats.py's --metric)")
         metric, metric_of = m, metric_of or sweep["path"]
         for variant, (lr, by_seed) in values.items():
+            variant = labelled(variant, label)
             lrs, xs = pooled.setdefault(variant, ([], {}))
             for seed, x in by_seed.items():
                 if seed in xs:
@@ -148,10 +170,12 @@ def pair_table(values, metric):
     return "\n".join(lines)
 
 
-def chosen_variants(sweeps, only):
-    """--only's comma-separated variants as a list (None: all); a name in none of the sweeps is a ValueError."""
+def chosen_variants(sweeps, only, labels=None):
+    """--only's comma-separated variants (variant@label for a labelled sweep's) as a list (None: all); a name in
+    none of the sweeps is a ValueError."""
     only = only and only.split(",")
-    variants = list(dict.fromkeys(v for sweep in sweeps for v in sweep["variants"]))
+    variants = list(dict.fromkeys(labelled(v, label) for sweep, label in zip(sweeps, labels or [""] * len(sweeps))
+                                  for v in sweep["variants"]))
     unknown = [v for v in only or () if v not in variants]
     if unknown:
         where = "this sweep" if len(sweeps) == 1 else "these sweeps"
@@ -163,7 +187,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweeps", nargs="+", metavar="sweep",
                    help="sweep file (its out_dir holds the runs); several: each variant's seeds pooled over them, "
-                        "each sweep at its own best lr")
+                        "each sweep at its own best lr; path@label: its variants named variant@label, pooled only "
+                        "with sweeps of the same label")
     p.add_argument("--only", default=None, help="comma-separated variants (default: all with finished runs)")
     p.add_argument("--solved", type=float, default=None,
                    help="count the seeds whose metric reaches this (>= it; <= it where lower is better: step, losses)")
@@ -176,9 +201,10 @@ def main(argv=None):
     try:
         if args.at_step is not None and args.metric is not None:
             raise ValueError("--at_step compares the selection metric at a step; give it or --metric, not both")
-        sweeps = [ablate.load_sweep(path) for path in args.sweeps]
-        only = chosen_variants(sweeps, args.only)
-        values, metric = pooled_values(sweeps, only, args.metric, args.at_step)
+        paths, labels = zip(*(sweep_arg(arg) for arg in args.sweeps))
+        sweeps = [ablate.load_sweep(path) for path in paths]
+        only = chosen_variants(sweeps, args.only, labels)
+        values, metric = pooled_values(sweeps, only, args.metric, args.at_step, labels)
     except (ablate.SweepError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -237,7 +237,8 @@ def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
 def test_seed_stats_pools_sweeps(tmp_path, capsys):
     """Two sweeps of the same runs on other seeds: each variant at its best lr in each sweep (1e-3 in the
     first, 3e-3, the only one, in the held-out batch), its seeds pooled; 5 seeds all above 5 others give the
-    smallest p, 2 / C(10, 5). A seed in both sweeps, or a variant in neither, is one line."""
+    smallest p, 2 / C(10, 5). A seed in both sweeps, or a variant in neither, is one line. A sweep given as
+    path@label keeps its variants apart, as variant@label."""
     from studies import seed_stats
     body = SWEEP.replace("  hybrid: {model.pattern: [kda, attn]}\n", "  low: {}\n  twin: {}\n")
     first = ablate.load_sweep(write_sweep(tmp_path, body.replace(
@@ -260,6 +261,18 @@ def test_seed_stats_pools_sweeps(tmp_path, capsys):
                                                "pooled sweeps need distinct seeds")
     assert seed_stats.main([first["path"], held_out["path"], "--only", "nope"]) == 2
     assert capsys.readouterr().err.startswith("error: --only nope: not a variant of these sweeps (attn, low, twin)")
+    # path@label: the labelled sweep's variants are variant@label, compared with (not pooled into) the others
+    args = [first["path"], held_out["path"], held_out["path"] + "@3e-3", "--only", "attn,low@3e-3,attn@3e-3"]
+    assert seed_stats.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| attn | 5 | 0.001 / 0.003 | 0.900 [" in out and "| attn@3e-3 | 2 | 0.003 | 0.825 [" in out, out
+    assert "| low@3e-3 | 2 | 0.003 | 0.450 [" in out and "| attn@3e-3 - low@3e-3 | +0.375 [" in out, out
+    assert "| attn - attn@3e-3 | +0.075 [" in out and "| low" not in out.replace("| low@", "")
+    assert seed_stats.main([first["path"] + "@", "--only", "attn"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {first['path']}@: a sweep is 'path' or 'path@label' (a "
+                                               "label without '/' or ',')")
+    assert seed_stats.main([first["path"] + "@a", "--only", "attn"]) == 2
+    assert capsys.readouterr().err.startswith("error: --only attn: not a variant of this sweep (attn@a, low@a,")
 
 
 def test_sink_eviction_splits_the_cost_by_layer_and_head(tmp_path, capsys):
