@@ -109,8 +109,9 @@ def sweep_arg(arg):
     return path, label
 
 
-def labelled(variant, label):
-    return f"{variant}@{label}" if label else variant
+def named_variants(sweep, label=""):
+    """{the name seed_stats shows (variant@label when labelled): the sweep's variant}."""
+    return {f"{v}@{label}" if label else v: v for v in sweep["variants"]}
 
 
 def pooled_values(sweeps, only=None, name=None, step=None, labels=None):
@@ -120,8 +121,9 @@ def pooled_values(sweeps, only=None, name=None, step=None, labels=None):
     names sweep i's variants variant@label, pooled only with those of sweeps of the same label; only names
     the variants so."""
     pooled, origin, metric, metric_of = {}, {}, None, None
-    for sweep, label in zip(sweeps, labels or [""] * len(sweeps)):
-        plain = {labelled(v, label): v for v in sweep["variants"]}
+    for sweep, label in zip(sweeps, labels or itertools.repeat("")):
+        plain = named_variants(sweep, label)
+        shown = {v: name for name, v in plain.items()}
         mine = [plain[v] for v in only or plain if v in plain]
         if not mine:
             continue
@@ -131,7 +133,7 @@ def pooled_values(sweeps, only=None, name=None, step=None, labels=None):
                              "of one metric (their select:, or seed_stats.py's --metric)")
         metric, metric_of = m, metric_of or sweep["path"]
         for variant, (lr, by_seed) in values.items():
-            variant = labelled(variant, label)
+            variant = shown[variant]
             lrs, xs = pooled.setdefault(variant, ([], {}))
             for seed, x in by_seed.items():
                 if seed in xs:
@@ -174,8 +176,8 @@ def chosen_variants(sweeps, only, labels=None):
     """--only's comma-separated variants (variant@label for a labelled sweep's) as a list (None: all); a name in
     none of the sweeps is a ValueError."""
     only = only and only.split(",")
-    variants = list(dict.fromkeys(labelled(v, label) for sweep, label in zip(sweeps, labels or [""] * len(sweeps))
-                                  for v in sweep["variants"]))
+    variants = list(dict.fromkeys(name for sweep, label in zip(sweeps, labels or itertools.repeat(""))
+                                  for name in named_variants(sweep, label)))
     unknown = [v for v in only or () if v not in variants]
     if unknown:
         where = "this sweep" if len(sweeps) == 1 else "these sweeps"
