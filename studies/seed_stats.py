@@ -119,7 +119,7 @@ def pooled_values(sweeps, only=None, name=None, step=None, labels=None):
     {variant: ([its lr in each sweep that has it], {seed: value})}, (name, higher is better). The sweeps must
     compare the same metric and may not train a variant on one seed twice. labels[i] (if given and not '')
     names sweep i's variants variant@label, pooled only with those of sweeps of the same label; only names
-    the variants so."""
+    the variants so, in the order the tables show them (default: the sweeps' order)."""
     pooled, origin, metric, metric_of = {}, {}, None, None
     for sweep, label in zip(sweeps, labels or itertools.repeat("")):
         plain = named_variants(sweep, label)
@@ -141,7 +141,7 @@ def pooled_values(sweeps, only=None, name=None, step=None, labels=None):
                                      "pooled sweeps need distinct seeds")
                 origin[variant, seed], xs[seed] = sweep["path"], x
             lrs.append(lr)
-    return pooled, metric
+    return {v: pooled[v] for v in only or pooled if v in pooled}, metric
 
 
 def variant_table(values, metric, solved=None):
@@ -191,7 +191,7 @@ def main(argv=None):
                    help="sweep file (its out_dir holds the runs); several: each variant's seeds pooled over them, "
                         "each sweep at its own best lr; path@label: its variants named variant@label, pooled only "
                         "with sweeps of the same label")
-    p.add_argument("--only", default=None, help="comma-separated variants (default: all with finished runs)")
+    p.add_argument("--only", default=None, help="comma-separated variants, shown in this order (default: all with finished runs)")
     p.add_argument("--solved", type=float, default=None,
                    help="count the seeds whose metric reaches this (>= it; <= it where lower is better: step, losses)")
     p.add_argument("--metric", default=None,

@@ -266,8 +266,10 @@ def test_seed_stats_pools_sweeps(tmp_path, capsys):
     assert seed_stats.main(args) == 0
     out = capsys.readouterr().out
     assert "| attn | 5 | 0.001 / 0.003 | 0.900 [" in out and "| attn@3e-3 | 2 | 0.003 | 0.825 [" in out, out
-    assert "| low@3e-3 | 2 | 0.003 | 0.450 [" in out and "| attn@3e-3 - low@3e-3 | +0.375 [" in out, out
+    assert "| low@3e-3 | 2 | 0.003 | 0.450 [" in out and "| low@3e-3 - attn@3e-3 | -0.375 [" in out, out
     assert "| attn - attn@3e-3 | +0.075 [" in out and "| low" not in out.replace("| low@", "")
+    variant_rows = out.split("\n\n")[0].splitlines()[2:]
+    assert [row.split(" | ")[0] for row in variant_rows] == ["| attn", "| low@3e-3", "| attn@3e-3"], out  # --only's order
     assert seed_stats.main([first["path"] + "@", "--only", "attn"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: {first['path']}@: a sweep is 'path' or 'path@label' (a "
                                                "label without '/' or ',')")
