@@ -119,14 +119,18 @@ def pooled_values(sweeps, only=None, name=None, step=None, labels=None):
     {variant: ([its lr in each sweep that has it], {seed: value})}, (name, higher is better). The sweeps must
     compare the same metric and may not train a variant on one seed twice. labels[i] (if given and not '')
     names sweep i's variants variant@label, pooled only with those of sweeps of the same label; only names
-    the variants so, in the order the tables show them (default: the sweeps' order)."""
-    pooled, origin, metric, metric_of = {}, {}, None, None
+    the variants so, and orders the rows (an lr point's runs show in its variant's row, at the place of the
+    first of them named; default: the sweeps' order)."""
+    pooled, origin, metric, metric_of, rank = {}, {}, None, None, {}
     for sweep, label in zip(sweeps, labels or itertools.repeat("")):
         plain = named_variants(sweep, label)
         shown = {v: name for name, v in plain.items()}
         mine = [plain[v] for v in only or plain if v in plain]
         if not mine:
             continue
+        for v in mine:                                            # the row each named variant shows in
+            row, place = shown[sweep["lr_of"].get(v, v)], only.index(shown[v]) if only else len(rank)
+            rank[row] = min(rank.get(row, place), place)
         values, m = seed_values(sweep, mine, name, step)
         if metric not in (None, m):
             raise ValueError(f"{sweep['path']} compares {m[0]} and {metric_of} {metric[0]}: pool sweeps "
@@ -141,7 +145,7 @@ def pooled_values(sweeps, only=None, name=None, step=None, labels=None):
                                      "pooled sweeps need distinct seeds")
                 origin[variant, seed], xs[seed] = sweep["path"], x
             lrs.append(lr)
-    return {v: pooled[v] for v in only or pooled if v in pooled}, metric
+    return {v: pooled[v] for v in sorted(pooled, key=rank.get)}, metric
 
 
 def variant_table(values, metric, solved=None):

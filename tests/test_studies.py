@@ -277,6 +277,34 @@ def test_seed_stats_pools_sweeps(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: --only attn: not a variant of this sweep (attn@a, low@a,")
 
 
+def test_seed_stats_shows_lr_points_in_their_variants_row(tmp_path, capsys):
+    """An lr point (lr_of) shows in its variant's row: named alone at its own lr, named with its variant at
+    the better of the two; the sweep given again with a label compares one lr with the other. The rows come
+    in --only's order."""
+    import json
+    from studies import seed_stats
+    body = SWEEP.replace("seeds: [0]", "seeds: [0, 1, 2]\nselect: val_acc").replace(
+        "  hybrid: {model.pattern: [kda, attn]}\n", "  attn_lr3e3: {lr_of: attn, train.lr: 3.0e-3}\n  low: {}\n")
+    sweep = ablate.load_sweep(write_sweep(tmp_path, body))
+    planted = {("attn", 1e-3): [0.9, 0.95, 1.0], ("attn_lr3e3", 3e-3): [0.1, 0.2, 0.3], ("low", 1e-3): [0.4, 0.5, 0.6]}
+    for (variant, lr), accs in planted.items():
+        for seed, acc in enumerate(accs):
+            os.makedirs(ablate.run_dir(sweep, variant, seed))
+            with open(os.path.join(ablate.run_dir(sweep, variant, seed), "result.json"), "w") as f:
+                json.dump({"variant": variant, "seed": seed, "lr": lr, "final": {"step": 10, "val_acc": acc}}, f)
+
+    def rows(*args):   # (variant, lr, mean) of each row of the variant table
+        assert seed_stats.main(list(args)) == 0
+        table = capsys.readouterr().out.split("\n\n")[0].splitlines()[2:]
+        return [(c[0][2:], c[2], c[3].split()[0]) for c in (row.split(" | ") for row in table)]
+    path = sweep["path"]
+    assert rows(path, "--only", "low,attn_lr3e3") == [("low", "0.001", "0.500"), ("attn", "0.003", "0.200")]
+    assert rows(path, "--only", "attn") == [("attn", "0.001", "0.950")]
+    assert rows(path, "--only", "low,attn_lr3e3,attn") == [("low", "0.001", "0.500"), ("attn", "0.001", "0.950")]
+    assert rows(path, path + "@hi", "--only", "attn_lr3e3@hi,attn") == [("attn@hi", "0.003", "0.200"),
+                                                                        ("attn", "0.001", "0.950")]
+
+
 def test_sink_eviction_splits_the_cost_by_layer_and_head(tmp_path, capsys):
     """Each head's share W_o^h o_h sums to the layer's output; layer 0's input is the same under both caches
     (moved by 0); with one layer, evicting in that layer only is evicting everywhere."""
