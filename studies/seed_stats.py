@@ -17,7 +17,9 @@ val_loss):
 Several sweep files pool their seeds: each variant at its best lr in each sweep, its seeds from all of them
 (a held-out batch of seeds next to the one that picked the lr; distinct seeds, one metric). A sweep given as
 `path@label` names its variants `variant@label` instead: they pool only with sweeps of the same label, so one
-variant trained in two sweeps (at two lrs, say) is compared with itself rather than pooled.
+variant trained in two sweeps (at two lrs, say) is compared with itself rather than pooled. An lr point of a
+sweep (`kda_lr3e3: {lr_of: kda, ...}`) shows in its variant's row: named alone, at its own lr; named beside its
+variant, at the better lr of the two; so one sweep given twice, once with a label, compares its lrs.
 Seeded: the same runs give the same numbers.
 
     python studies/seed_stats.py sweeps/mqar_key_width.yaml --only kda_k8,gdn_k8,linear_k8 --solved 0.9
@@ -26,6 +28,8 @@ Seeded: the same runs give the same numbers.
     python studies/seed_stats.py sweeps/stack_confirm.yaml sweeps/stack_confirm2.yaml --only kda,gdn
     python studies/seed_stats.py sweeps/palindrome_length.yaml sweeps/palindrome_length256_lr.yaml@1e-3 \
         --only kda_256,kda_256@1e-3          # one variant at lr 3e-3 (its sweep) against itself at 1e-3
+    python studies/seed_stats.py sweeps/mqar_ladder256.yaml sweeps/mqar_ladder256.yaml@3e-3 \
+        --only kda,kda_lr3e3@3e-3            # kda at its own lr (1e-3) against its lr point at 3e-3
 """
 import argparse
 import itertools

@@ -289,8 +289,9 @@ def test_seed_stats_shows_lr_points_in_their_variants_row(tmp_path, capsys):
     planted = {("attn", 1e-3): [0.9, 0.95, 1.0], ("attn_lr3e3", 3e-3): [0.1, 0.2, 0.3], ("low", 1e-3): [0.4, 0.5, 0.6]}
     for (variant, lr), accs in planted.items():
         for seed, acc in enumerate(accs):
-            os.makedirs(ablate.run_dir(sweep, variant, seed))
-            with open(os.path.join(ablate.run_dir(sweep, variant, seed), "result.json"), "w") as f:
+            folder = ablate.run_dir(sweep, variant, seed)
+            os.makedirs(folder)
+            with open(os.path.join(folder, "result.json"), "w") as f:
                 json.dump({"variant": variant, "seed": seed, "lr": lr, "final": {"step": 10, "val_acc": acc}}, f)
 
     def rows(*args):   # (variant, lr, mean) of each row of the variant table
