@@ -387,8 +387,9 @@ def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
     assert "| kda+attn | 0.200 ± 0.100 (3) | 0.700 ± 0.100 (3) |" in out, out
     assert "| attn - kda+attn | +0.750, p 0.100 | -0.100, p 0.500 |" in out, out
     assert seed_stats.permutation_p([0.5, 0.6, 0.7], [0.6, 0.7, 0.8]) == 0.5
-    values, metric = trained_length.by_length([sweep], ["attn", "attn_48"])   # each seed's value under its seed
+    values, sources, metric = trained_length.by_length([sweep], ["attn", "attn_48"])   # each seed's value under its seed
     assert values == {"attn": {24: {0: 0.9, 1: 0.95, 2: 1.0}, 48: {0: 0.5, 1: 0.6, 2: 0.7}}} and metric[0] == "val_acc"
+    assert sources == {"attn": {24: ("attn", "0.001", []), 48: ("attn_48", "0.001", [])}}
     assert os.path.getsize(png) > 1000
     # at a training step, each variant at its best lr there (attn at 24: 3e-3's 0.6, 0.7, 0.8 at step 5)
     assert trained_length.main([sweep["path"], "--only", "attn,hybrid", "--at_step", "5"]) == 0
@@ -396,7 +397,8 @@ def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
     # two variants of one pattern at one length cannot share a cell; nothing chosen is one line too
     assert trained_length.main([sweep["path"], "--only", "attn,twin"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: two variants train attn at T = 24 (twin in {sweep['path']} "
-                                               "is the second): pick one with --only")
+                                               "is the second): pick one with --only, or the better of them with "
+                                               "--best_lr")
     assert trained_length.main([sweep["path"], "--only", "attn,nope"]) == 2
     assert capsys.readouterr().err.startswith("error: --only nope: not a variant of this sweep (attn, attn_48, ")
     # a variant in two sweeps pools its seeds (seeds 3 and 4 held out, at their own best lr); a seed twice is one line
@@ -404,13 +406,29 @@ def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
     held_out = ablate.load_sweep(write_sweep(tmp_path / "held_out", SWEEP.replace(
         "seeds: [0]", "seeds: [3, 4]\nlrs: [3.0e-3]\nselect: val_acc")))
     plant_seed_results(held_out, {("attn", 3e-3): [0.8, 0.85]}, first_seed=3)
-    values, _ = trained_length.by_length([sweep, held_out], ["attn", "attn_48"])
+    values, _, _ = trained_length.by_length([sweep, held_out], ["attn", "attn_48"])
     assert values == {"attn": {24: {0: 0.9, 1: 0.95, 2: 1.0, 3: 0.8, 4: 0.85}, 48: {0: 0.5, 1: 0.6, 2: 0.7}}}
     assert trained_length.main([sweep["path"], held_out["path"], "--only", "attn,hybrid"]) == 0
     assert "| attn | 0.900 ± 0.079 (5) |" in capsys.readouterr().out
     assert trained_length.main([sweep["path"], sweep["path"], "--only", "attn"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: attn seed 0 is in {sweep['path']} and {sweep['path']}: "
                                                "pooled sweeps need distinct seeds")
+    # path@label keeps a sweep's variants apart; --best_lr keeps the better mean over the seeds both have
+    # (attn@late: seeds 3, 4 only, none common, 0.825 < 0.95 on all; attn@b: seeds 0, 1 at 0.99 > 0.925)
+    os.makedirs(tmp_path / "b")
+    other_lr = ablate.load_sweep(write_sweep(tmp_path / "b", SWEEP.replace(
+        "seeds: [0]", "seeds: [0, 1]\nlrs: [3.0e-3]\nselect: val_acc")))
+    plant_seed_results(other_lr, {("attn", 3e-3): [0.99, 0.99]})
+    assert trained_length.main([sweep["path"], held_out["path"] + "@late", "--only", "attn,attn@late"]) == 2
+    assert "--best_lr" in capsys.readouterr().err
+    assert trained_length.main([sweep["path"], held_out["path"] + "@late", "--only", "attn,attn@late",
+                                "--best_lr"]) == 0
+    out = capsys.readouterr().out
+    assert "| attn | 0.950 ± 0.050 (3) |" in out and "| attn | attn (lr 0.001), over attn@late |" in out, out
+    values, sources, _ = trained_length.by_length([sweep, other_lr], ["attn", "attn@b"], labels=["", "b"],
+                                                  best_lr=True)
+    assert values == {"attn": {24: {0: 0.99, 1: 0.99}}}
+    assert sources == {"attn": {24: ("attn@b", "0.003", ["attn"])}}
     # sweeps that select by different metrics cannot share a table
     os.makedirs(tmp_path / "by_loss")
     by_loss = ablate.load_sweep(write_sweep(tmp_path / "by_loss",
