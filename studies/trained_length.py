@@ -56,7 +56,7 @@ def by_length(sweeps, only=None, step=None, labels=None, best_lr=False):
         if not best_lr:
             raise ValueError(f"two variants train {series} at T = {T} ({name} in {sweep['path']} is the "
                              "second): pick one with --only, or the better of them with --best_lr")
-        held, (held_name, held_lr, beaten) = values[series][T], sources[series][T]
+        held, (held_name, _, beaten) = values[series][T], sources[series][T]
         if beats(by_seed, held, metric[1]):
             values[series][T], sources[series][T] = by_seed, (name, lr, beaten + [held_name])
         else:
