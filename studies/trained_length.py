@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ablate  # noqa: E402
 from data.tokens import DataError  # noqa: E402
 from studies import accuracy_axes, save_accuracy_plot  # noqa: E402
-from studies.seed_stats import chosen_variants, named_variants, permutation_p, pooled_values, sweep_arg  # noqa: E402
+from studies.seed_stats import (chosen_variants, format_p, named_variants, permutation_p, pooled_values,  # noqa: E402
+                                sweep_arg)
 
 
 def series_name(cfg):
@@ -92,7 +93,7 @@ def tables(values, metric):
                                      else "–" for T in lengths) + " |" for s, c in seeds.items()]
     pairs = []
     for (a, ca), (b, cb) in itertools.combinations(seeds.items(), 2):
-        cells = [f"{ablate.mean(ca[T]) - ablate.mean(cb[T]):+.3f}, p {permutation_p(ca[T], cb[T]):.3f}"
+        cells = [f"{ablate.mean(ca[T]) - ablate.mean(cb[T]):+.3f}, p {format_p(permutation_p(ca[T], cb[T]))}"
                  if T in ca and T in cb else "–" for T in lengths]
         pairs.append(f"| {a} - {b} | " + " | ".join(cells) + " |")
     out = f"{metric[0]}, mean ± std (seeds):\n\n" + head + "\n".join(rows)

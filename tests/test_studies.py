@@ -210,6 +210,10 @@ def test_seed_stats_intervals_and_permutation_p(tmp_path, capsys):
     assert re.search(r"\| attn - low \| \+0\.750 \[\+0\.6\d\d, \+0\.8\d\d\] \| 0\.100 \|", out)
     assert seed_stats.permutation_p([1.0] * 10, [0.0] * 10) == 2 / math.comb(20, 10)          # exact
     assert seed_stats.permutation_p(list(range(12)), list(range(12, 24))) < 1e-3            # sampled
+    # tables print p to three decimals, and below 0.001 to two significant figures, never as 0.000
+    assert [seed_stats.format_p(p) for p in (0.1, 0.008, 0.001)] == ["0.100", "0.008", "0.001"]
+    assert seed_stats.format_p(2 / math.comb(16, 8)) == "0.00016"
+    assert seed_stats.format_p(2 / math.comb(18, 9)) == "4.1e-05"
     # another number of the final record, at the best lr of the selection metric (1e-3 for attn)
     assert seed_stats.main([sweep["path"], "--only", "attn,low", "--metric", "step", "--solved", "31"]) == 0
     out = capsys.readouterr().out
