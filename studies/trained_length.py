@@ -102,9 +102,14 @@ def tables(values, metric):
     return out
 
 
-def plot(values, metric, path, step=None, sources=None):
+def plot(values, metric, path, step=None, sources=None, ymin=0.0):
     """The mean (thick) and each seed (thin) of every series against T; with by_length()'s sources, each
-    series' lr in its legend label (one per length, in order, where they differ)."""
+    series' lr in its legend label (one per length, in order, where they differ). The accuracy axis starts at
+    ymin (a ValueError where a seed's value lies below it: the plot would hide it)."""
+    lowest = min(x for cells in values.values() for by_seed in cells.values() for x in by_seed.values())
+    if not 0 <= ymin <= lowest:
+        raise ValueError(f"--ymin {ymin:g}: the axis must start between 0 and the lowest value plotted, "
+                         f"{lowest:.3f}")
     fig, ax = accuracy_axes()
     for i, (series, cells) in enumerate(values.items()):
         lengths = sorted(cells)
@@ -120,7 +125,8 @@ def plot(values, metric, path, step=None, sources=None):
             # a dot on each value, so a seed run at one length only shows too
             ax.plot(seen, [cells[T][seed] for T in seen], ".-", color=colour, lw=0.6, ms=3, alpha=0.45)
     ax.set_title(f"{metric[0]} " + (f"at step {step}" if step is not None else "at the end of training"), fontsize=9)
-    return save_accuracy_plot(fig, ax, path, "training length T", metric[0], sorted({T for c in values.values() for T in c}))
+    lengths = sorted({T for cells in values.values() for T in cells})
+    return save_accuracy_plot(fig, ax, path, "training length T", metric[0], lengths, ymin)
 
 
 def main(argv=None):
@@ -134,6 +140,8 @@ def main(argv=None):
                    help="where variants of one pattern share a length (the same model at other lrs), keep the one "
                         "with the better mean (over the seeds they share) instead of refusing")
     p.add_argument("--out", default=None, help="PNG path of the plot (default: no plot)")
+    p.add_argument("--ymin", type=float, default=0.0,
+                   help="where the plot's accuracy axis starts (default 0; at most the lowest value plotted)")
     args = p.parse_args(argv)
     try:
         paths, labels = zip(*(sweep_arg(arg) for arg in args.sweeps))
@@ -147,7 +155,11 @@ def main(argv=None):
         return 2
     print(tables(values, metric) + "\n\n" + source_table(sources))
     if args.out:
-        print(f"plot: {plot(values, metric, args.out, args.at_step, sources)}")
+        try:
+            print(f"plot: {plot(values, metric, args.out, args.at_step, sources, args.ymin)}")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -395,6 +395,12 @@ def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
     assert values == {"attn": {24: {0: 0.9, 1: 0.95, 2: 1.0}, 48: {0: 0.5, 1: 0.6, 2: 0.7}}} and metric[0] == "val_acc"
     assert sources == {"attn": {24: ("attn", "0.001", []), 48: ("attn_48", "0.001", [])}}
     assert os.path.getsize(png) > 1000
+    # --ymin starts the accuracy axis higher, never above a plotted seed (hybrid's lowest at T = 24: 0.1)
+    assert trained_length.main([sweep["path"], "--only", "attn,attn_48", "--out", png, "--ymin", "0.5"]) == 0
+    capsys.readouterr()
+    assert trained_length.main([sweep["path"], "--only", "attn,hybrid", "--out", png, "--ymin", "0.2"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --ymin 0.2: the axis must start between 0 and the lowest "
+                                               "value plotted, 0.100")
     # at a training step, each variant at its best lr there (attn at 24: 3e-3's 0.6, 0.7, 0.8 at step 5)
     assert trained_length.main([sweep["path"], "--only", "attn,hybrid", "--at_step", "5"]) == 0
     assert "| attn | 0.700 ± 0.100 (3) |" in capsys.readouterr().out
