@@ -11,6 +11,8 @@ files pools its seeds; a sweep given as `path@label` keeps its variants apart (s
         --out docs/palindrome_acc_vs_length.png
     python studies/trained_length.py sweeps/palindrome_length.yaml sweeps/palindrome_length256_lr.yaml@1e-3 \
         --only kda_256,gdn_256,gdn_256@1e-3 --best_lr      # gdn at T = 256 at the better of lr 3e-3 and 1e-3
+    python studies/trained_length.py sweeps/stack_long.yaml sweeps/stack_length.yaml \
+        sweeps/stack_length_confirm.yaml --ymin 0.75 --out docs/stack_acc_vs_length.png   # the axis from 0.75
 """
 import argparse
 import itertools
@@ -107,9 +109,9 @@ def plot(values, metric, path, step=None, sources=None, ymin=0.0):
     series' lr in its legend label (one per length, in order, where they differ). The accuracy axis starts at
     ymin (a ValueError where a seed's value lies below it: the plot would hide it)."""
     lowest = min(x for cells in values.values() for by_seed in cells.values() for x in by_seed.values())
-    if not 0 <= ymin <= lowest:
+    if not 0 <= ymin <= lowest or ymin >= 1:
         raise ValueError(f"--ymin {ymin:g}: the axis must start between 0 and the lowest value plotted, "
-                         f"{lowest:.3f}")
+                         f"{lowest:.3f} (and below 1)")
     fig, ax = accuracy_axes()
     for i, (series, cells) in enumerate(values.items()):
         lengths = sorted(cells)
