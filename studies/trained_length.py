@@ -104,20 +104,14 @@ def tables(values, metric):
     return out
 
 
-def check_ymin(values, ymin):
-    """A ValueError unless the accuracy axis can start at ymin: in [0, 1) and at most the lowest seed's value
-    (a higher start would hide it)."""
+def plot(values, metric, path, step=None, sources=None, ymin=0.0):
+    """The mean (thick) and each seed (thin) of every series against T; with by_length()'s sources, each
+    series' lr in its legend label (one per length, in order, where they differ). The accuracy axis starts at
+    ymin: a ValueError unless it is in [0, 1) and at most the lowest seed's value (a higher start would hide it)."""
     lowest = min(x for cells in values.values() for by_seed in cells.values() for x in by_seed.values())
     if not 0 <= ymin <= lowest or ymin >= 1:
         raise ValueError(f"--ymin {ymin:g}: the axis must start between 0 and the lowest value plotted, "
                          f"{lowest:.3f} (and below 1)")
-
-
-def plot(values, metric, path, step=None, sources=None, ymin=0.0):
-    """The mean (thick) and each seed (thin) of every series against T; with by_length()'s sources, each
-    series' lr in its legend label (one per length, in order, where they differ). The accuracy axis starts at
-    ymin (check_ymin)."""
-    check_ymin(values, ymin)
     fig, ax = accuracy_axes()
     for i, (series, cells) in enumerate(values.items()):
         lengths = sorted(cells)
@@ -133,8 +127,8 @@ def plot(values, metric, path, step=None, sources=None, ymin=0.0):
             # a dot on each value, so a seed run at one length only shows too
             ax.plot(seen, [cells[T][seed] for T in seen], ".-", color=colour, lw=0.6, ms=3, alpha=0.45)
     ax.set_title(f"{metric[0]} " + (f"at step {step}" if step is not None else "at the end of training"), fontsize=9)
-    lengths = sorted({T for cells in values.values() for T in cells})
-    return save_accuracy_plot(fig, ax, path, "training length T", metric[0], lengths, ymin)
+    every_length = sorted({T for cells in values.values() for T in cells})
+    return save_accuracy_plot(fig, ax, path, "training length T", metric[0], every_length, ymin)
 
 
 def main(argv=None):
@@ -158,14 +152,13 @@ def main(argv=None):
                                             labels, args.best_lr)
         if not metric[1]:
             raise ValueError(f"the sweeps select by {metric[0]}, lower is better: this study plots accuracies")
-        if args.out:
-            check_ymin(values, args.ymin)
+        plotted = plot(values, metric, args.out, args.at_step, sources, args.ymin) if args.out else None
     except (ablate.SweepError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(tables(values, metric) + "\n\n" + source_table(sources))
-    if args.out:
-        print(f"plot: {plot(values, metric, args.out, args.at_step, sources, args.ymin)}")
+    if plotted:
+        print(f"plot: {plotted}")
     return 0
 
 
