@@ -401,7 +401,7 @@ def test_trained_length_groups_variants_by_pattern_and_length(tmp_path, capsys):
     assert trained_length.main([sweep["path"], "--only", "attn,hybrid", "--out", png, "--ymin", "0.2"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.strip() == ("error: --ymin 0.2: the axis must start between 0 and the lowest "
-                                               "value plotted, 0.100 (and below 1)")
+                                         "value plotted, 0.100 (and below 1)")
     # at a training step, each variant at its best lr there (attn at 24: 3e-3's 0.6, 0.7, 0.8 at step 5)
     assert trained_length.main([sweep["path"], "--only", "attn,hybrid", "--at_step", "5"]) == 0
     assert "| attn | 0.700 ± 0.100 (3) |" in capsys.readouterr().out
